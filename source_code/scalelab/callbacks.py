@@ -1,0 +1,177 @@
+"""Keras callbacks the course's scripts and notebooks share.
+
+They cooperate through the epoch ``logs`` dict, which Keras hands to every callback in turn:
+``Throughput`` adds ``images_per_s``, ``TotalTime`` adds ``elapsed_s``, and the reporters that come after
+them (``EpochPrinter``, ``CSVTimeLog``) print or record those. Under Horovod put
+``hvd.callbacks.MetricAverageCallback()`` before them so they see metrics averaged over ranks, and pass
+``is_chief=hvd.rank() == 0`` so only rank 0 prints and writes.
+"""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+
+import tensorflow as tf
+
+
+class Throughput(tf.keras.callbacks.Callback):
+    """Measures images per second of each epoch's training steps (validation excluded).
+
+    ``images_per_step`` is the batch size of one step summed over all workers, so under Horovod the
+    figure is the whole job's throughput.
+    """
+
+    def __init__(self, images_per_step: int):
+        super().__init__()
+        self.images_per_step = images_per_step
+        self.history: list[float] = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._steps = 0
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps += 1
+        self._last_step_end = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        seconds = max(getattr(self, "_last_step_end", self._started) - self._started, 1e-9)
+        images_per_s = self._steps * self.images_per_step / seconds
+        self.history.append(images_per_s)
+        if logs is not None:
+            logs["images_per_s"] = images_per_s
+
+
+class TotalTime(tf.keras.callbacks.Callback):
+    """Wall time since training began, added to each epoch's logs as ``elapsed_s``."""
+
+    def __init__(self, is_chief: bool = True, verbose: bool = True):
+        super().__init__()
+        self.is_chief = is_chief
+        self.verbose = verbose
+        self.elapsed_s = 0.0
+
+    def on_train_begin(self, logs=None):
+        self._started = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.elapsed_s = time.perf_counter() - self._started
+        if logs is not None:
+            logs["elapsed_s"] = self.elapsed_s
+
+    def on_train_end(self, logs=None):
+        self.elapsed_s = time.perf_counter() - self._started
+        if self.is_chief and self.verbose:
+            print(f"total training time {self.elapsed_s:.1f} s", flush=True)
+
+
+class StopAtAccuracy(tf.keras.callbacks.Callback):
+    """Stops training once ``monitor`` has been at least ``target`` for ``patience`` epochs in a row.
+
+    Under Horovod every rank must take the same decision, so average the metric across ranks first
+    (``MetricAverageCallback`` before this callback).
+    """
+
+    def __init__(self, target: float, monitor: str = "val_accuracy", patience: int = 1,
+                 is_chief: bool = True, verbose: bool = True):
+        super().__init__()
+        if patience < 1:
+            raise ValueError("patience counts epochs at or above the target and must be at least 1")
+        self.target, self.monitor, self.patience = target, monitor, patience
+        self.is_chief, self.verbose = is_chief, verbose
+        self.epochs_at_target = 0
+        self.stopped_epoch: int | None = None
+
+    def on_epoch_end(self, epoch, logs=None):
+        value = (logs or {}).get(self.monitor)
+        if value is None:
+            raise KeyError(f"StopAtAccuracy watches '{self.monitor}', which this epoch's logs do not have; "
+                           f"they have {sorted(logs or {})}")
+        self.epochs_at_target = self.epochs_at_target + 1 if value >= self.target else 0
+        if self.epochs_at_target >= self.patience:
+            self.stopped_epoch = epoch
+            self.model.stop_training = True
+            if self.is_chief and self.verbose:
+                print(f"{self.monitor} {value:.4f} ≥ {self.target} for {self.patience} epoch(s): stopping "
+                      f"after epoch {epoch + 1}", flush=True)
+
+
+def format_epoch(epoch: int, epochs: int, logs: dict) -> str:
+    """The one line per epoch every course script prints, with the same words in the same order."""
+    parts = [f"epoch {epoch + 1}/{epochs}"]
+    for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+        if key in logs:
+            parts.append(f"{key} {logs[key]:.4f}")
+    if "lr" in logs:
+        parts.append(f"lr {logs['lr']:.4g}")
+    if "images_per_s" in logs:
+        parts.append(f"img/s {logs['images_per_s']:.0f}")
+    if "elapsed_s" in logs:
+        parts.append(f"elapsed {logs['elapsed_s']:.1f} s")
+    return "  ".join(parts)
+
+
+def _learning_rate(model) -> float | None:
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return None
+    rate = optimizer.learning_rate
+    if isinstance(rate, tf.keras.optimizers.schedules.LearningRateSchedule):
+        rate = rate(optimizer.iterations)
+    return float(tf.keras.backend.get_value(rate))
+
+
+class EpochPrinter(tf.keras.callbacks.Callback):
+    """Prints :func:`format_epoch` on rank 0; use with ``fit(verbose=0)``."""
+
+    def __init__(self, epochs: int, is_chief: bool = True):
+        super().__init__()
+        self.epochs, self.is_chief = epochs, is_chief
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs if logs is not None else {}
+        rate = _learning_rate(self.model)
+        if rate is not None:
+            logs.setdefault("lr", rate)
+        if self.is_chief:
+            print(format_epoch(epoch, self.epochs, logs), flush=True)
+
+
+class CSVTimeLog(tf.keras.callbacks.Callback):
+    """Appends one row per epoch (elapsed time, metrics, throughput, learning rate) to a CSV file.
+
+    The file is rewritten at the start of training, so one run is one file; rows are flushed as they come,
+    so a run that is stopped early still leaves its curve. Only the chief writes.
+    """
+
+    COLUMNS = ("epoch", "elapsed_s", "loss", "accuracy", "val_loss", "val_accuracy", "images_per_s", "lr")
+
+    def __init__(self, path, is_chief: bool = True, run_label: str | None = None):
+        super().__init__()
+        self.path = Path(path)
+        self.is_chief = is_chief
+        self.run_label = run_label
+        self._started = None
+
+    def _columns(self):
+        return (("run",) if self.run_label else ()) + self.COLUMNS
+
+    def on_train_begin(self, logs=None):
+        self._started = time.perf_counter()
+        if self.is_chief:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("w", newline="") as handle:
+                csv.writer(handle).writerow(self._columns())
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not self.is_chief:
+            return
+        logs = dict(logs or {})
+        logs.setdefault("elapsed_s", time.perf_counter() - self._started)
+        logs.setdefault("lr", _learning_rate(self.model))
+        row = {"run": self.run_label, "epoch": epoch + 1, **logs}
+        with self.path.open("a", newline="") as handle:
+            csv.writer(handle).writerow(["" if row.get(column) is None else row[column]
+                                         for column in self._columns()])

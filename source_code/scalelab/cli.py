@@ -1,0 +1,80 @@
+"""The ``scalelab`` command: ``doctor`` here; ``assess``, ``grade`` and ``calibrate`` come from the grader."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import __version__
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+
+
+def doctor(args: argparse.Namespace) -> int:
+    """Print what the course needs and whether this machine has it; one line for each missing piece."""
+    from . import environment
+
+    problems: list[str] = []
+    facts = environment.describe()
+    print(f"scalelab        {__version__}")
+    print(f"python          {facts['python']}")
+    print(f"tensorflow      {facts['tensorflow'] or 'missing'}")
+    if facts["tensorflow"] is None:
+        problems.append("TensorFlow is not installed: run `make setup`.")
+    elif facts["tensorflow"] != "2.15.1":
+        problems.append(f"TensorFlow is {facts['tensorflow']}; the course needs 2.15.1 "
+                        "(Horovod 0.28.1 does not allreduce with Keras 3): run `make setup`.")
+    print(f"horovod         {facts['horovod'] or 'missing'}")
+    build = environment.horovod_build()
+    if build is None:
+        problems.append("horovodrun is not installed: run `make setup`.")
+    else:
+        flags = "  ".join(f"{name} {'yes' if built else 'no'}" for name, built in build.items())
+        print(f"horovod build   {flags}")
+        problems += [f"Horovod was built without {name}: pip uninstall horovod, then `make setup`."
+                     for name in ("TensorFlow", "Gloo", "MPI") if not build[name]]
+    mpi = environment.mpi_implementation()
+    print(f"mpi             {mpi or 'missing'}")
+    if mpi is None:
+        problems.append("mpirun not found: install openmpi-bin and libopenmpi-dev.")
+    print(f"cpus            {facts['cpu_count']} × {facts['cpu_model']}")
+    gpus = environment.gpus()
+    print(f"gpus            {', '.join(gpus) if gpus else 'none'}")
+    for name, location in environment.datasets().items():
+        print(f"data {name:<10} {location or 'missing'}")
+        if location is None and name == "fashion-mnist":
+            problems.append("Fashion-MNIST is missing: sudo apt-get install dataset-fashion-mnist.")
+        elif location is None:
+            problems.append("CIFAR-10 is not available offline: set SCALELAB_CIFAR10_DIR to a directory "
+                            "holding cifar-10-batches-py (or let the first run download it).")
+    for problem in problems:
+        print(f"problem: {problem}", file=sys.stderr)
+    if not problems:
+        print("everything the course needs is here")
+    return EXIT_PROBLEMS if problems else EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="scalelab", description="ScaleLab: distributed deep learning course tools.")
+    parser.add_argument("--version", action="version", version=f"scalelab {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+    check = commands.add_parser("doctor", help="check the installed stack and the data sets")
+    check.set_defaults(func=doctor)
+    try:
+        from scalelab.grader import commands as grader_commands
+    except ImportError as error:  # the course library must stay usable if the grader is broken
+        print(f"scalelab: grader commands unavailable ({error})", file=sys.stderr)
+    else:
+        grader_commands.register(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

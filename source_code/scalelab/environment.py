@@ -1,0 +1,104 @@
+"""What this machine runs: versions, Horovod's build, MPI, CPUs, GPUs and data sets.
+
+``describe()`` is cheap (no TensorFlow import) and goes into every verdict; ``horovod_build()`` runs
+``horovodrun --check-build`` and ``gpus()`` asks ``nvidia-smi``, for ``scalelab doctor``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from . import data
+from .runtime import usable_cores
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def tensorflow_version() -> str | None:
+    for distribution in ("tensorflow-cpu", "tensorflow", "tensorflow-gpu"):
+        version = package_version(distribution)
+        if version:
+            return version
+    return None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def gpus() -> list[str]:
+    """GPU names from ``nvidia-smi`` (empty without an NVIDIA driver)."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        listing = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in listing.stdout.splitlines() if line.strip()] if listing.returncode == 0 else []
+
+
+def horovodrun_path() -> str | None:
+    beside_python = Path(sys.executable).with_name("horovodrun")
+    return str(beside_python) if beside_python.exists() else shutil.which("horovodrun")
+
+
+def horovod_build() -> dict[str, bool] | None:
+    """Which frameworks, controllers and tensor operations Horovod was built with (None: no horovodrun)."""
+    horovodrun = horovodrun_path()
+    if horovodrun is None:
+        return None
+    check = subprocess.run([horovodrun, "--check-build"], capture_output=True, text=True, timeout=120)
+    return {name: bool(re.search(rf"\[X\] {re.escape(name)}\b", check.stdout))
+            for name in ("TensorFlow", "MPI", "Gloo", "NCCL")}
+
+
+def mpi_implementation() -> str | None:
+    if not shutil.which("mpirun"):
+        return None
+    try:
+        version = subprocess.run(["mpirun", "--version"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    first_line = (version.stdout or version.stderr).strip().splitlines()
+    return first_line[0] if first_line else None
+
+
+def datasets() -> dict[str, str | None]:
+    """Where each data set's training split would be loaded from (None: not available offline)."""
+    fashion = next((str(d) for d in data.fashion_mnist_dirs() if data.fashion_mnist_available(d)), None)
+    cifar = data.find_cifar10("train")
+    return {"fashion-mnist": fashion, "cifar10": str(cifar) if cifar else None}
+
+
+def describe() -> dict:
+    """The environment recorded in verdicts and benchmark reports."""
+    return {
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "tensorflow": tensorflow_version(),
+        "horovod": package_version("horovod"),
+        "cpu_model": cpu_model(),
+        "cpu_count": usable_cores(),
+        "platform": platform.platform(),
+        "gpus": os.environ.get("SCALELAB_GPUS_SEEN") or None,
+    }

@@ -1,0 +1,41 @@
+"""Per-process settings for running several Horovod ranks on one machine."""
+
+from __future__ import annotations
+
+import os
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (respects taskset/cgroup affinity, unlike ``os.cpu_count``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def configure_threads(ranks_on_this_host: int = 1) -> int:
+    """Give each rank an equal share of the cores so ranks do not oversubscribe them.
+
+    TensorFlow defaults to one intra-op thread per core in every process; with two ranks on two cores
+    that is four busy threads fighting over two cores. Must run before TensorFlow executes any op.
+    Returns the intra-op thread count chosen.
+    """
+    import tensorflow as tf
+
+    threads = max(1, usable_cores() // max(1, ranks_on_this_host))
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(1 if ranks_on_this_host > 1 else 2)
+    return threads
+
+
+def pin_gpu(local_rank: int) -> str | None:
+    """Make only GPU ``local_rank`` visible to TensorFlow (one GPU per rank); returns its name, or None on CPU."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return None
+    gpu = gpus[local_rank % len(gpus)]
+    tf.config.experimental.set_memory_growth(gpu, True)
+    tf.config.set_visible_devices(gpu, "GPU")
+    return gpu.name

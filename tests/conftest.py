@@ -1,0 +1,41 @@
+"""Shared test settings: where the real data sets are, and the project's tools."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def cifar10_dir() -> Path:
+    """The CIFAR-10 directory given by configuration (the Makefile passes the shared real subset)."""
+    configured = os.environ.get("SCALELAB_CIFAR10_DIR")
+    if not configured:
+        pytest.fail("SCALELAB_CIFAR10_DIR is not set: run the tests through `make test`, or point it at a "
+                    "directory holding cifar-10-batches-py")
+    return Path(configured)
+
+
+@pytest.fixture(scope="session")
+def horovodrun() -> str:
+    path = VENV_BIN / "horovodrun"
+    if not path.exists():
+        pytest.fail(f"{path} is missing: run `make setup`")
+    return str(path)
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process: ours, plus what mpirun needs as root, plus ``extra``."""
+    env = dict(os.environ)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.update(extra)
+    return env
