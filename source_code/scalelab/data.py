@@ -59,9 +59,9 @@ FASHION_MNIST_FILES = {
 
 
 def fashion_mnist_dirs(data_dir: str | os.PathLike | None = None) -> list[Path]:
-    """Where Fashion-MNIST is looked for, in order: the argument, $SCALELAB_FASHION_MNIST_DIR,
+    """Where Fashion-MNIST is looked for, in order: the argument (or else $SCALELAB_FASHION_MNIST_DIR),
     Debian's package, the Keras cache."""
-    candidates = [data_dir, os.environ.get("SCALELAB_FASHION_MNIST_DIR"),
+    candidates = [data_dir or os.environ.get("SCALELAB_FASHION_MNIST_DIR"),
                   FASHION_MNIST_DEBIAN_DIR, KERAS_CACHE / "fashion-mnist"]
     return [Path(c) for c in candidates if c]
 
@@ -154,8 +154,8 @@ def _as_cifar10_folder(directory: Path) -> Path:
 
 
 def cifar10_dirs(data_dir: str | os.PathLike | None = None) -> list[Path]:
-    """Where CIFAR-10 is looked for, in order: the argument, $SCALELAB_CIFAR10_DIR, the Keras cache."""
-    candidates = [data_dir, os.environ.get("SCALELAB_CIFAR10_DIR"), KERAS_CACHE / CIFAR10_FOLDER]
+    """Where CIFAR-10 is looked for, in order: the argument (or else $SCALELAB_CIFAR10_DIR), the Keras cache."""
+    candidates = [data_dir or os.environ.get("SCALELAB_CIFAR10_DIR"), KERAS_CACHE / CIFAR10_FOLDER]
     return [_as_cifar10_folder(Path(c)) for c in candidates if c]
 
 

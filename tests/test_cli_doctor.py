@@ -1,0 +1,41 @@
+"""`scalelab doctor` reports the real stack and names each missing piece."""
+
+from __future__ import annotations
+
+import subprocess
+
+from conftest import VENV_BIN, subprocess_env
+
+
+def _doctor(**env):
+    return subprocess.run([str(VENV_BIN / "scalelab"), "doctor"], capture_output=True, text=True, timeout=300,
+                          env=subprocess_env(**env))
+
+
+def test_doctor_reports_the_pinned_stack_and_horovod_build(cifar10_dir, tmp_path):
+    result = _doctor(SCALELAB_CIFAR10_DIR=str(cifar10_dir), KERAS_HOME=str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout.splitlines()
+    assert "tensorflow      2.15.1" in out
+    assert "horovod         0.28.1" in out
+    assert "horovod build   TensorFlow yes  MPI yes  Gloo yes  NCCL no" in out
+    assert "Open MPI" in result.stdout
+    assert f"data cifar10    {cifar10_dir}/cifar-10-batches-py" in result.stdout
+    assert "data fashion-mnist /usr/share/datasets/fashion-mnist" in result.stdout
+    assert "everything the course needs is here" in result.stdout
+
+
+def test_doctor_fails_with_one_line_per_missing_piece(tmp_path):
+    result = _doctor(SCALELAB_CIFAR10_DIR=str(tmp_path / "nowhere"), KERAS_HOME=str(tmp_path))
+    assert result.returncode == 1
+    assert "data cifar10    missing" in result.stdout
+    problems = [line for line in result.stderr.splitlines() if line.startswith("problem: ")]
+    assert problems == ["problem: CIFAR-10 is not available offline: set SCALELAB_CIFAR10_DIR to a directory "
+                        "holding cifar-10-batches-py (or let the first run download it)."]
+
+
+def test_unknown_command_is_a_usage_error():
+    result = subprocess.run([str(VENV_BIN / "scalelab"), "frobnicate"], capture_output=True, text=True,
+                            env=subprocess_env())
+    assert result.returncode == 2
+    assert "invalid choice" in result.stderr
