@@ -65,12 +65,11 @@ def _dense(gradient, dtype):
     return tf.cast(gradient, dtype)
 
 
-def _check_range(name: str, value: float, low: float, high: float, high_inclusive: bool = False) -> float:
+def _check_range(name: str, value: float, low: float, high: float) -> float:
+    """``value`` as a float if ``low <= value < high``, else a ValueError naming the setting."""
     value = float(value)
-    inside = low <= value <= high if high_inclusive else low <= value < high
-    if not inside:
-        closing = "]" if high_inclusive else ")"
-        raise ValueError(f"{name} must be in [{low}, {high}{closing}, not {value}")
+    if not low <= value < high:
+        raise ValueError(f"{name} must be in [{low}, {high}), not {value}")
     return value
 
 
@@ -79,11 +78,22 @@ class _LayerwiseOptimizer(tf.keras.optimizers.Optimizer):
 
     def __init__(self, learning_rate, weight_decay: float, exclude_1d_variables: bool, name: str, **kwargs):
         # The base class's weight decay is decoupled (w -= lr * wd * w before the step); ours is part of the update.
-        kwargs.pop("weight_decay", None)
         super().__init__(name=name, weight_decay=None, **kwargs)
         self._learning_rate = self._build_learning_rate(learning_rate)
         self.weight_decay = _check_range("weight_decay", weight_decay, 0.0, float("inf"))
         self.exclude_1d_variables = bool(exclude_1d_variables)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        parent = cls.__bases__[0]
+        registered_name = tf.keras.utils.get_registered_name(parent)
+        if cls.__name__ == parent.__name__ and registered_name != parent.__name__:
+            # Horovod's DistributedOptimizer wraps an optimizer in a same-named subclass made on the fly.
+            # Saving that under the parent's registered name lets a .keras file from a Horovod run load
+            # (compiled too) without Horovod; registering the parent again makes loading build the plain one.
+            package, _, name = registered_name.partition(">")
+            tf.keras.utils.register_keras_serializable(package, name)(cls)
+            tf.keras.utils.register_keras_serializable(package, name)(parent)
 
     def _apply_weight_decay(self, variables):
         """Nothing here: ``update_step`` adds the decay inside the layer-wise update."""
@@ -124,9 +134,12 @@ class LARS(_LayerwiseOptimizer):
     (the learning rate sits inside the momentum buffer, as in the paper). With ``exclude_1d_variables``
     a 1-D variable takes ``ratio = 1`` and no decay: plain momentum SGD at ``learning_rate``.
     :func:`trust_ratio` computes ``ratio`` on its own.
+
+    ``learning_rate`` is the global rate (scaled with the batch as usual); ``eta`` is the trust
+    coefficient, how far one step may move a layer relative to its weights' norm.
     """
 
-    def __init__(self, learning_rate=1.0, momentum: float = 0.9, eta: float = 0.001, weight_decay: float = 0.0,
+    def __init__(self, learning_rate=0.1, momentum: float = 0.9, eta: float = 0.001, weight_decay: float = 0.0,
                  epsilon: float = 1e-9, exclude_1d_variables: bool = True, name: str = "LARS", **kwargs):
         super().__init__(learning_rate, weight_decay, exclude_1d_variables, name, **kwargs)
         self.momentum = _check_range("momentum", momentum, 0.0, 1.0)
