@@ -1,0 +1,10 @@
+"""nbgrader course configuration: this directory is the course (sources in source/, releases in release/, …)."""
+
+import os
+
+c = get_config()  # noqa: F821 — provided by nbgrader when it loads this file
+
+course_root = os.path.dirname(os.path.abspath(__file__))
+c.CourseDirectory.course_id = "scalelab"
+c.CourseDirectory.root = course_root
+c.CourseDirectory.db_url = "sqlite:///" + os.path.join(course_root, "gradebook.db")
