@@ -58,6 +58,6 @@ def test_make_lab_serves_jupyterlab_on_the_course(lab_server):
     assert "JupyterLab" in page.text
     listing = requests.get(f"{lab_server}/api/contents/", headers=headers, timeout=30).json()
     names = {entry["name"] for entry in listing["content"]}
-    assert {"labs", "assessment", "README.md"} <= names, "the server must be rooted at the course"
+    assert {"labs", "source_code", "README.md"} <= names, "the server must be rooted at the course"
     assert requests.get(f"{lab_server}/api/contents/", timeout=30).status_code == 403, \
         "the course must not be served without Jupyter's authentication"
