@@ -15,6 +15,8 @@ SETUP_STAMP := $(VENV)/.scalelab-setup-done
 SCALELAB_CIFAR10_DIR ?= $(abspath $(wildcard ../shared/data/cifar10-subset))
 export SCALELAB_CIFAR10_DIR
 LAB_PORT ?= 8888
+# Assess service settings as traitlets, e.g. ASSESS_OPTIONS="--AssessService.track=fashion-mnist-cpu --AssessService.slots=1"
+ASSESS_OPTIONS ?=
 # mpirun refuses to start as root unless told; containers and CI run as root.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
@@ -35,6 +37,7 @@ doctor: setup
 lab: setup
 	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
 		--ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/README.md \
+		--ServerApp.jpserver_extensions=scalelab.grader.serve=True $(ASSESS_OPTIONS) \
 		$$( [ "$$(id -u)" = 0 ] && echo --allow-root )
 
 test: setup

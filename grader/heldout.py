@@ -1,0 +1,74 @@
+"""Held-out accuracy of a saved model, computed in its own process: ``python -m scalelab.grader.heldout``.
+
+The grader runs this module in a separate process (never in its own), after the student's run has ended:
+it loads ``model.keras`` in Keras safe mode, predicts the held-out split the grader loads itself, and prints
+one JSON object: ``{"accuracy": float | null, "reason": str | null, "trainable_variables": int, ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def measure(model_path: str, dataset: str, batch_size: int = 256) -> dict:
+    import numpy as np
+    import tensorflow as tf
+
+    from scalelab import data
+
+    result = {"accuracy": None, "reason": None, "trainable_variables": None, "output_shape": None,
+              "images": None}
+    try:
+        model = tf.keras.models.load_model(model_path, compile=False, safe_mode=True)
+    except Exception as error:  # any failure to load is the submission's problem, said plainly
+        result["reason"] = (f"the saved model could not be loaded in Keras safe mode "
+                            f"({type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}); "
+                            f"save it with the DO-NOT-EDIT section and use only built-in Keras layers")
+        return result
+    result["trainable_variables"] = len(model.trainable_weights)
+    images, labels = data.load(dataset, "test", download=False)
+    input_shape = tuple(model.input_shape[1:]) if not isinstance(model.input_shape, list) else None
+    if input_shape is None:
+        result["reason"] = "the saved model has several inputs; it must take one batch of images"
+        return result
+    if images.ndim == 3 and len(input_shape) == 3 and input_shape[-1] == 1:
+        images = images[..., None]
+    if tuple(d for d in input_shape) != tuple(images.shape[1:]) and None not in input_shape:
+        result["reason"] = (f"the saved model takes inputs of shape {input_shape}, but the {dataset} images are "
+                            f"{tuple(images.shape[1:])}")
+        return result
+    try:
+        scores = model.predict(images.astype("float32"), batch_size=batch_size, verbose=0)
+    except Exception as error:
+        result["reason"] = f"the saved model failed on the held-out images ({type(error).__name__}: " \
+                           f"{str(error).splitlines()[0][:300] if str(error) else ''})"
+        return result
+    result["output_shape"] = list(scores.shape)
+    if scores.ndim != 2 or scores.shape != (len(images), 10):
+        result["reason"] = (f"the saved model outputs shape {tuple(scores.shape)} for {len(images)} images; "
+                            f"it must output 10 class scores per image")
+        return result
+    if not np.all(np.isfinite(scores)):
+        result["reason"] = "the saved model outputs NaN or infinite scores (training diverged: lower the learning rate)"
+        return result
+    result["images"] = int(len(images))
+    result["accuracy"] = float(np.mean(np.argmax(scores, axis=1) == labels.astype(np.int64)))
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="held-out accuracy of a saved Keras model (JSON on stdout)")
+    parser.add_argument("model", help="path of model.keras")
+    parser.add_argument("dataset", help="cifar10 or fashion-mnist")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    result = measure(args.model, args.dataset)
+    sys.stdout.write("\n" + json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""The Assess panel of ``assessment/assessment.ipynb``: an ipywidgets front end to the Assess service's REST API.
+
+The kernel never grades anything: it finds the Jupyter server it runs under (its URL and token, from Jupyter's
+runtime files, matched on the notebook's directory), submits with ``POST /scalelab/api/assessments`` and follows
+the job with ``GET /scalelab/api/assessments/<id>`` from a background thread, so the notebook stays usable.
+Every failure is shown as a sentence, never a traceback.
+
+    from scalelab.grader.panel import AssessPanel
+    AssessPanel()
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import os
+import threading
+import time
+from pathlib import Path
+
+import ipywidgets as widgets
+import requests
+
+API_PREFIX = "scalelab/api"
+FINAL_STATES = ("done", "interrupted")
+REQUEST_TIMEOUT_S = 30
+
+
+class ServiceError(Exception):
+    """The Assess service could not do what was asked; the message is a sentence for the student."""
+
+
+# --- finding the server -----------------------------------------------------------------------------------------
+
+def find_server(notebook_dir: Path | None = None) -> tuple[str, str]:
+    """(base URL, token) of the Jupyter server whose root directory holds ``notebook_dir`` (the kernel's cwd).
+
+    ``SCALELAB_ASSESS_URL`` and ``SCALELAB_ASSESS_TOKEN`` override the search (e.g. behind a proxy)."""
+    if os.environ.get("SCALELAB_ASSESS_URL"):
+        return os.environ["SCALELAB_ASSESS_URL"], os.environ.get("SCALELAB_ASSESS_TOKEN", "")
+    from jupyter_server.serverapp import list_running_servers
+
+    here = Path(notebook_dir or os.getcwd()).resolve()
+    candidates = []
+    for server in list_running_servers():
+        root = Path(server.get("root_dir") or server.get("notebook_dir") or "/").resolve()
+        if here.is_relative_to(root):
+            candidates.append((len(root.parts), server))
+    if not candidates:
+        raise ServiceError("No running Jupyter server serves this notebook, so the Assess service cannot be "
+                           "reached: open the notebook in JupyterLab started with `make lab`.")
+    server = max(candidates, key=lambda candidate: candidate[0])[1]  # the innermost root wins
+    return server["url"], server.get("token", "")
+
+
+class AssessClient:
+    """The REST API, with every failure turned into a ServiceError sentence."""
+
+    def __init__(self, base_url: str, token: str = ""):
+        self.base_url = base_url.rstrip("/") + "/"
+        self.session = requests.Session()
+        if token:
+            self.session.headers["Authorization"] = f"token {token}"
+
+    @classmethod
+    def for_this_notebook(cls) -> "AssessClient":
+        return cls(*find_server())
+
+    def _call(self, method: str, path: str) -> dict:
+        url = f"{self.base_url}{API_PREFIX}/{path}"
+        try:
+            response = self.session.request(method, url, timeout=REQUEST_TIMEOUT_S)
+        except requests.RequestException:
+            raise ServiceError(f"The Assess service is not reachable ({self.base_url}): the Jupyter server may "
+                               f"have stopped. Save your work and start JupyterLab again with `make lab`.") from None
+        if response.status_code in (401, 403):
+            raise ServiceError("The Jupyter server refused the request because this kernel is not logged in to "
+                               "it; reload the page and run the panel cell again.")
+        try:
+            body = response.json()
+        except ValueError:
+            body = {}
+        if response.status_code == 404 and path == "service":
+            raise ServiceError("This Jupyter server does not run the Assess service: start JupyterLab with "
+                               "`make lab`, which enables it.")
+        if response.status_code >= 400:
+            message = body.get("message") or response.reason or f"HTTP {response.status_code}"
+            raise ServiceError(message)
+        return body
+
+    def service(self) -> dict:
+        return self._call("GET", "service")
+
+    def submit(self) -> tuple[dict, bool]:
+        body = self._call("POST", "assessments")
+        return body["job"], body["created"]
+
+    def job(self, job_id: int) -> dict:
+        return self._call("GET", f"assessments/{job_id}")
+
+    def history(self) -> list[dict]:
+        return self._call("GET", "assessments")["assessments"]
+
+
+# --- rendering (pure functions of the job, so they are easy to test) --------------------------------------------
+
+VERDICT_COLOURS = {"pass": "#1a7f37", "fail": "#cf222e", "timeout": "#bc4c00", "error": "#8250df"}
+
+
+def _number(value, form: str, missing: str = "—") -> str:
+    return missing if value is None else format(value, form)
+
+
+def status_text(job: dict | None) -> str:
+    """One line saying where the job is."""
+    if job is None:
+        return "Not assessed yet: click Assess to grade your current assessment.py."
+    state = job["state"]
+    if state == "queued":
+        position = job.get("position")
+        return (f"Assessment {job['id']}: queued, position {position} in the queue." if position
+                else f"Assessment {job['id']}: queued.")
+    if state == "running":
+        progress = job.get("progress") or {}
+        return (f"Assessment {job['id']}: running, {_number(progress.get('elapsed_s'), '.0f', '0')} s of "
+                f"{_number(progress.get('time_budget_s') or job.get('time_budget_s'), '.0f')} s budget, "
+                f"epochs seen {progress.get('epochs_seen') or 0}.")
+    if state == "interrupted":
+        return f"Assessment {job['id']}: interrupted, not graded."
+    verdict = (job.get("verdict") or {}).get("verdict", "?")
+    return f"Assessment {job['id']}: done. Verdict: {verdict.upper()}."
+
+
+def verdict_html(job: dict | None) -> str:
+    """The verdict with its reasons, accuracy vs target and time vs budget (or the interruption's reason)."""
+    if job is None or job["state"] not in FINAL_STATES:
+        return ""
+    if job["state"] == "interrupted":
+        return (f"<div class='scalelab-verdict'><b style='color:#bc4c00'>INTERRUPTED</b> "
+                f"{html.escape(job.get('reason') or '')}</div>")
+    verdict = job.get("verdict") or {}
+    name = verdict.get("verdict", "error")
+    reasons = "".join(f"<li><pre style='white-space:pre-wrap;margin:0'>{html.escape(reason)}</pre></li>"
+                      for reason in verdict.get("reasons") or [])
+    return (f"<div class='scalelab-verdict'>"
+            f"<b style='color:{VERDICT_COLOURS.get(name, '#000')};font-size:1.3em'>Verdict: {name.upper()}</b><br>"
+            f"held-out accuracy {_number(verdict.get('heldout_accuracy'), '.4f')} "
+            f"(target {_number(verdict.get('target_accuracy'), '.4f')}); "
+            f"time {_number(verdict.get('wall_time_s'), '.1f')} s (budget {_number(verdict.get('time_budget_s'), '.0f')} s); "
+            f"ranks seen {html.escape(str(verdict.get('ranks_seen')))}"
+            f"<ul>{reasons}</ul></div>")
+
+
+def history_html(jobs: list[dict]) -> str:
+    """A table of the student's attempts, newest first."""
+    if not jobs:
+        return "<i>No earlier assessments.</i>"
+    rows = []
+    for job in jobs:
+        verdict = job.get("verdict") or {}
+        outcome = verdict.get("verdict") or job["state"]
+        submitted = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["submitted_at"]))
+        rows.append(f"<tr><td>{job['id']}</td><td>{submitted}</td><td>{html.escape(job['track'])}</td>"
+                    f"<td>{html.escape(outcome)}</td><td>{_number(verdict.get('heldout_accuracy'), '.4f')}</td>"
+                    f"<td>{_number(verdict.get('wall_time_s'), '.1f')}</td>"
+                    f"<td><code>{job['submission_sha256'][:10]}</code></td></tr>")
+    return ("<table class='scalelab-history'><tr><th>#</th><th>submitted</th><th>track</th><th>result</th>"
+            "<th>held-out accuracy</th><th>time (s)</th><th>file sha256</th></tr>" + "".join(rows) + "</table>")
+
+
+def accuracy_plot_png(points: list[dict], time_budget_s: float | None, target: float | None) -> bytes | None:
+    """Accuracy vs elapsed time (rank 0's epoch lines as the grader saw them), or None without points."""
+    points = [point for point in points if point.get("accuracy") is not None and point.get("elapsed_s") is not None]
+    if not points:
+        return None
+    from matplotlib.figure import Figure  # no pyplot: safe from a background thread
+
+    figure = Figure(figsize=(5, 2.6), dpi=90)
+    axes = figure.add_subplot()
+    axes.plot([p["elapsed_s"] for p in points], [p["accuracy"] for p in points], marker="o")
+    if target is not None:
+        axes.axhline(target, color="grey", linestyle="--", label=f"target {target:.2f}")
+        axes.legend(loc="lower right")
+    if time_budget_s:
+        axes.set_xlim(0, time_budget_s)
+    axes.set_xlabel("elapsed time (s)")
+    axes.set_ylabel("accuracy (reported)")
+    axes.set_title("progress as printed by rank 0 (not the verdict)", fontsize=9)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+# --- the panel --------------------------------------------------------------------------------------------------
+
+class AssessPanel(widgets.VBox):
+    """Assess button, queue position, progress bar vs budget, accuracy-vs-time plot, verdict, history."""
+
+    def __init__(self, client: AssessClient | None = None, poll_interval_s: float = 1.0):
+        self.button = widgets.Button(description="Assess", button_style="primary", icon="check",
+                                     tooltip="Grade the current assessment.py with the course's grader")
+        self.status = widgets.HTML()
+        self.progress = widgets.FloatProgress(value=0.0, min=0.0, max=1.0, description="time",
+                                              layout=widgets.Layout(width="60%"))
+        self.plot = widgets.Image(format="png", layout=widgets.Layout(display="none"))
+        self.verdict = widgets.HTML()
+        self.history = widgets.HTML()
+        self.error = widgets.HTML()
+        super().__init__([widgets.HBox([self.button, self.status]), self.progress, self.plot, self.verdict,
+                          self.error, widgets.HTML("<b>Your assessments</b>"), self.history])
+        self.add_class("scalelab-assess-panel")
+        self.poll_interval_s = poll_interval_s
+        self.service_info: dict = {}
+        self._follower: threading.Thread | None = None
+        self.button.on_click(lambda _button: self._start_in_background(self._submit_and_follow))
+        self.client = client
+        self._show_job(None)
+        self._start_in_background(self._load)
+
+    # Every network call runs in a thread: the kernel stays free, and the widgets update as the job moves.
+    def _start_in_background(self, work) -> None:
+        thread = threading.Thread(target=self._guarded, args=(work,), daemon=True)
+        thread.start()
+        self._follower = thread
+
+    def _guarded(self, work) -> None:
+        try:
+            work()
+        except ServiceError as error:
+            self._show_error(str(error))
+        except Exception as error:  # whatever happens, a sentence rather than a traceback
+            self._show_error(f"The Assess panel hit an unexpected problem ({type(error).__name__}: {error}); "
+                             f"run the cell again.")
+        finally:
+            self.button.disabled = False
+
+    def _connect(self) -> AssessClient:
+        if self.client is None:
+            self.client = AssessClient.for_this_notebook()
+        if not self.service_info:
+            self.service_info = self.client.service()
+        return self.client
+
+    def _load(self) -> None:
+        client = self._connect()
+        info = self.service_info
+        self.button.tooltip = (f"Track {info['track']}: held-out accuracy ≥ {info['target_accuracy']} within "
+                               f"{info['time_budget_s']:.0f} s")
+        jobs = client.history()
+        self.history.value = history_html(jobs)
+        if jobs:
+            self._show_job(jobs[0])
+            if jobs[0]["state"] not in FINAL_STATES:  # e.g. the page was reloaded during a run
+                self._follow(jobs[0]["id"])
+
+    def _submit_and_follow(self) -> None:
+        self.button.disabled = True
+        self.error.value = ""
+        client = self._connect()
+        job, created = client.submit()
+        if not created:
+            self._show_error(f"Assessment {job['id']} is still {job['state']}: it is followed below, and you can "
+                             f"submit again once it has a verdict.")
+        self._show_job(job)
+        self._follow(job["id"])
+        self.history.value = history_html(client.history())
+
+    def _follow(self, job_id: int) -> None:
+        self.button.disabled = True
+        while True:
+            job = self.client.job(job_id)
+            self._show_job(job)
+            if job["state"] in FINAL_STATES:
+                self.history.value = history_html(self.client.history())
+                return
+            time.sleep(self.poll_interval_s)
+
+    def _show_job(self, job: dict | None) -> None:
+        self.status.value = f"<span class='scalelab-status'>{html.escape(status_text(job))}</span>"
+        progress = (job or {}).get("progress") or {}
+        budget = progress.get("time_budget_s") or (job or {}).get("time_budget_s") or self.service_info.get(
+            "time_budget_s") or 1.0
+        self.progress.max = float(budget)
+        self.progress.value = min(float(progress.get("elapsed_s") or 0.0), float(budget))
+        self.progress.description = f"{self.progress.value:.0f}/{budget:.0f} s"
+        self.progress.bar_style = {"done": "success", "interrupted": "warning"}.get((job or {}).get("state"), "info")
+        png = accuracy_plot_png((job or {}).get("progress_history") or [], budget,
+                                self.service_info.get("target_accuracy"))
+        if png is not None:
+            self.plot.value = png
+            self.plot.layout.display = ""
+        self.verdict.value = verdict_html(job)
+
+    def _show_error(self, message: str) -> None:
+        self.error.value = (f"<div class='scalelab-error' style='color:#cf222e'>{html.escape(message)}</div>")

@@ -1,0 +1,210 @@
+"""``assess()``: one submission through spec → launch → verify → store, ending in a verdict dict.
+
+The verdict is a stable JSON contract (see the README and issue #3). ``assess`` never raises for a problem of
+the submission (that is a ``fail``/``timeout`` verdict), and when the grader itself fails it still writes a
+verdict, ``error``, with the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import traceback
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from scalelab import __version__, data as course_data, environment
+
+from . import launch, spec, store, verify
+
+SUBMISSION_SIZE_LIMIT_BYTES = 1 << 20
+
+
+def _environment() -> dict:
+    facts = environment.describe()
+    facts["gpus"] = environment.gpus()
+    return facts
+
+
+def paths_to_hide(out_dir: Path, database: Path | None, extra=()) -> list[Path]:
+    """Everything the submission must not see: the data sets (held-out splits), the grader's state (runs,
+    jobs, results, gradebook), the reference solution, and the grader's home directory."""
+    data_dirs = [*course_data.cifar10_dirs(), *course_data.fashion_mnist_dirs()]
+    hidden = set(launch.data_paths_to_hide(data_dirs))
+    hidden |= {store.scalelab_home(), store.jobs_root(), out_dir, spec.COURSE_ROOT / "assessment" / "solution",
+               Path.home()}
+    if database is not None:
+        hidden.add(Path(database).parent)
+    hidden |= {Path(p) for p in extra}
+    return sorted(Path(p).resolve() for p in hidden if Path(p).exists())
+
+
+def _rank_failure_reasons(run: launch.RunResult) -> list[str]:
+    reasons = [f"the run failed: horovodrun exited with status {run.exit_code} after {run.wall_time_s:.0f} s."]
+    # The rank that failed first comes first: the others only report that Horovod shut down because of it.
+    def consequence(item):
+        return "Horovod has been shut down" in item[1], item[0]
+    for rank, text in sorted(run.rank_tracebacks.items(), key=consequence)[:2]:
+        last_line = text.strip().splitlines()[-1] if text.strip() else ""
+        if len(last_line) > 300:
+            last_line = last_line[:300] + " …"
+        reasons.append(f"rank {rank} raised {last_line}\n{text}")
+    if not run.rank_tracebacks:
+        reasons.append(f"no rank printed a Python traceback; see the logs in the logs directory "
+                       f"(launcher.log has horovodrun's own messages).")
+    return reasons
+
+
+def decide(verdict: dict, track: spec.Track, run: launch.RunResult, model: verify.ModelCheck,
+           evidence: verify.TimelineEvidence) -> None:
+    """Fill ``verdict`` (verdict and reasons) from what was measured. Pass iff every condition holds."""
+    reasons = []
+    budget = track.time_budget_s
+    if run.timed_out or run.wall_time_s > budget:
+        verdict["verdict"] = "timeout"
+        if run.timed_out:
+            reasons.append(f"the run was still going at the {budget:.0f} s time budget (+{track.grace_s:.0f} s "
+                           f"grace) and was stopped: make training faster, or stop it once the target is reached.")
+        else:
+            reasons.append(f"the run ended after {run.wall_time_s:.0f} s, over the {budget:.0f} s time budget.")
+        if model.heldout_accuracy is not None:
+            reasons.append(f"for information: the last saved model reached held-out accuracy "
+                           f"{model.heldout_accuracy:.4f} (target {track.target_accuracy:.4f}).")
+        verdict["reasons"] = reasons
+        return
+    if run.exit_code != 0:
+        verdict["verdict"] = "fail"
+        verdict["reasons"] = _rank_failure_reasons(run)
+        return
+    if model.heldout_accuracy is None:
+        reasons.append(model.reason)
+    elif model.heldout_accuracy < track.target_accuracy:
+        reasons.append(f"held-out accuracy {model.heldout_accuracy:.4f} is below the target "
+                       f"{track.target_accuracy:.4f}: train longer or better within the budget.")
+    reasons += verify.evidence_problems(evidence, verdict["np"], model.trainable_variables,
+                                        track.min_spread_deciles, run.epochs_seen)
+    if reasons:
+        verdict["verdict"], verdict["reasons"] = "fail", reasons
+    else:
+        verdict["verdict"] = "pass"
+        verdict["reasons"] = [f"held-out accuracy {model.heldout_accuracy:.4f} ≥ target {track.target_accuracy:.4f}, "
+                              f"in {run.wall_time_s:.0f} s of the {budget:.0f} s budget, with all {verdict['np']} "
+                              f"ranks allreducing gradients throughout training."]
+
+
+def assess(submission_path, track_name: str | spec.Track | None = None, np: int | None = None, out_dir=None,
+           backend: str = "local", allow_unsandboxed: bool = False,
+           progress: Callable[[dict], None] | None = None, *, track_file=None, database=None,
+           student: str | None = None, extra_hidden=()) -> dict:
+    """Grade one submission; returns the verdict (also written to ``out_dir/verdict.json`` and the database)."""
+    out_dir = Path(out_dir) if out_dir else store.new_run_dir(Path(submission_path).stem)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    logs_dir = out_dir / "logs"
+    verdict: dict = {
+        "verdict": "error", "reasons": [], "notes": [], "heldout_accuracy": None, "target_accuracy": None,
+        "wall_time_s": None, "time_budget_s": None, "np": np, "ranks_seen": [], "allreduce_count": 0,
+        "allreduced_tensors": 0, "active_deciles": 0, "trainable_variables": None, "epochs_seen": 0,
+        "exit_code": None, "track": getattr(track_name, "name", track_name), "dataset": None, "submission": str(submission_path),
+        "submission_sha256": None, "student": student, "started_at": launch.utc_now(), "finished_at": None,
+        "logs_dir": str(logs_dir), "out_dir": str(out_dir), "model_path": None, "backend": backend,
+        "sandboxed": not allow_unsandboxed, "sandbox_uid": None, "grader_version": __version__, "environment": None,
+    }
+    job_dir = None
+
+    def report(state: dict) -> None:
+        store.write_json_atomic(out_dir / "progress.json", state)
+        if progress is not None:
+            progress(state)
+
+    try:
+        verdict["environment"] = _environment()
+        # A Track object is taken as it is (calibration runs a track with a stretched budget).
+        track = track_name if isinstance(track_name, spec.Track) else spec.load_track(track_name, track_file)
+        verdict.update(track=track.name, dataset=track.dataset, target_accuracy=track.target_accuracy,
+                       time_budget_s=track.time_budget_s)
+        verdict["np"] = np = np or track.resolve_ranks(len(verdict["environment"]["gpus"]))
+        source = Path(submission_path).read_bytes()
+        verdict["submission_sha256"] = hashlib.sha256(source).hexdigest()
+        report({"state": "running", "elapsed_s": 0.0, "time_budget_s": track.time_budget_s, "epochs_seen": 0,
+                "latest_accuracy": None, "checkpoint_mtime": None})
+        try:
+            compile(source, "assessment.py", "exec")  # compiling runs none of the submission's code
+        except (SyntaxError, ValueError) as error:
+            line = f" at line {error.lineno}" if getattr(error, "lineno", None) else ""
+            verdict.update(verdict="fail", wall_time_s=0.0, reasons=[
+                f"assessment.py is not valid Python: {type(error).__name__}{line}: "
+                f"{getattr(error, 'msg', str(error))}. Run `python assessment.py` yourself before submitting."])
+            return verdict
+        sandbox = True
+        problem = launch.sandbox_works()
+        if problem and not allow_unsandboxed:
+            raise launch.LaunchError(f"{problem}; refusing to grade without a sandbox (an instructor may pass "
+                                     f"--allow-unsandboxed to run submissions unconfined)")
+        if allow_unsandboxed and problem:
+            sandbox = False
+            verdict["notes"].append(f"ran WITHOUT a sandbox, as the instructor allowed: {problem}")
+        verdict["sandboxed"] = sandbox
+        job_dir = store.jobs_root() / f"{uuid.uuid4().hex[:12]}"
+        job_dir.parent.mkdir(parents=True, exist_ok=True)
+        hidden = paths_to_hide(out_dir, database, extra_hidden)
+        job = launch.prepare_job(Path(submission_path), job_dir, dataset=track.dataset, track_name=track.name,
+                                 np=np, launcher=track.launcher, launcher_options=track.launcher_options,
+                                 time_budget_s=track.time_budget_s, grace_s=track.grace_s, logs_dir=logs_dir,
+                                 hidden_paths=hidden, sandbox=sandbox)
+        verdict["sandbox_uid"] = job.sandbox_uid
+        try:
+            if backend == "local":
+                run = launch.run_local(job, on_progress=report)
+            elif backend == "slurm":
+                from . import slurm  # written separately; reuses JobSpec, sandbox_argv and RankLogDemux
+                run = slurm.run(job, on_progress=report)
+            else:
+                raise ValueError(f"unknown backend {backend!r}; known: local, slurm")
+        finally:
+            launch.release_sandbox_uid(job.sandbox_uid)
+        verdict.update(wall_time_s=run.wall_time_s, exit_code=run.exit_code, epochs_seen=run.epochs_seen,
+                       started_at=run.started_at)
+        report({"state": "verifying", "elapsed_s": run.wall_time_s, "time_budget_s": track.time_budget_s,
+                "epochs_seen": run.epochs_seen, "latest_accuracy": None,
+                "checkpoint_mtime": None})
+        model_file = job.output_dir / "model.keras"
+        model = verify.heldout_accuracy(model_file, track.dataset)
+        evidence = verify.timeline_evidence(job.timeline_path)
+        verdict.update(heldout_accuracy=model.heldout_accuracy, trainable_variables=model.trainable_variables,
+                       ranks_seen=evidence.ranks_seen, allreduce_count=evidence.allreduce_count,
+                       allreduced_tensors=evidence.allreduced_tensors, active_deciles=evidence.active_deciles)
+        decide(verdict, track, run, model, evidence)
+        if run.truncated_logs:
+            verdict["notes"].append(f"output was capped at {job.log_cap_bytes} bytes per log: "
+                                    + ", ".join(Path(p).name for p in run.truncated_logs))
+        if run.survivors_killed:
+            verdict["notes"].append(f"{run.survivors_killed} processes of the run outlived horovodrun and were "
+                                    f"killed by the grader.")
+        if model_file.is_file() and verify.check_model_file(model_file) is None:
+            shutil.copyfile(model_file, out_dir / "model.keras")
+            verdict["model_path"] = str(out_dir / "model.keras")
+    except Exception as error:  # the grader's own failure: still a verdict, with the reason
+        verdict["verdict"] = "error"
+        verdict["reasons"] = [f"internal error in the grader (not your submission's fault): "
+                              f"{type(error).__name__}: {error}"]
+        (out_dir / "grader-error.log").write_text(traceback.format_exc())
+    finally:
+        verdict["finished_at"] = launch.utc_now()
+        if job_dir is not None and job_dir.exists():
+            shutil.rmtree(job_dir, ignore_errors=True)
+        store.write_json_atomic(out_dir / "verdict.json", verdict)
+        _finish(verdict, out_dir, report, database, student)
+    return verdict
+
+
+def _finish(verdict: dict, out_dir: Path, report, database, student) -> None:
+    try:
+        report({"state": "done", "elapsed_s": verdict["wall_time_s"], "time_budget_s": verdict["time_budget_s"],
+                "epochs_seen": verdict["epochs_seen"], "latest_accuracy": verdict["heldout_accuracy"],
+                "checkpoint_mtime": None, "verdict": verdict["verdict"]})
+        store.ResultsDatabase(database).record(verdict, student=student)
+    except Exception as error:  # the verdict file is written; say that the database is behind
+        verdict["notes"].append(f"the results database could not be updated: {error}")
+        store.write_json_atomic(out_dir / "verdict.json", verdict)

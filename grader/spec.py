@@ -1,0 +1,103 @@
+"""What an assessment asks: the tracks of ``assessment/tracks.toml`` as ``Track`` dataclasses.
+
+A track names the data set, the number of ranks, the held-out accuracy to reach, the time budget and the
+launcher. ``load_tracks()`` reads the file named by ``--track-file``, else ``$SCALELAB_TRACKS``, else the
+course's ``assessment/tracks.toml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from pathlib import Path
+
+COURSE_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TRACKS_FILE = COURSE_ROOT / "assessment" / "tracks.toml"
+DEFAULT_TRACK = "cifar10-cpu"
+DATASETS = ("cifar10", "fashion-mnist")
+LAUNCHERS = ("gloo", "mpi")
+ALL_GPUS = "all-gpus"
+
+
+class SpecError(ValueError):
+    """The track file or the track asked for is not usable; the message says what to fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Track:
+    name: str
+    dataset: str
+    ranks: int | str                 # a number, or "all-gpus" (one rank per GPU of the machine)
+    target_accuracy: float           # held-out accuracy the saved model must reach
+    time_budget_s: float             # from launch to exit, measured by the grader
+    grace_s: float = 10.0            # after the budget: SIGTERM, then SIGKILL after the grace
+    launcher: str = "gloo"           # horovodrun --gloo or --mpi
+    launcher_options: tuple[str, ...] = ()   # more horovodrun arguments, e.g. ("--cycle-time-ms", "1")
+    min_spread_deciles: int = 8      # allreduces must happen in at least this many tenths of the training
+    description: str = ""
+    calibration: dict = dataclasses.field(default_factory=dict)  # the figures the track was calibrated with
+
+    def resolve_ranks(self, gpu_count: int) -> int:
+        """The number of ranks to launch on a machine with ``gpu_count`` GPUs."""
+        if self.ranks == ALL_GPUS:
+            if gpu_count < 1:
+                raise SpecError(f"track {self.name!r} runs one rank per GPU, and this machine has no GPU; "
+                                f"choose a CPU track or give --np")
+            return gpu_count
+        return int(self.ranks)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def tracks_file(path: str | os.PathLike | None = None) -> Path:
+    return Path(path or os.environ.get("SCALELAB_TRACKS") or DEFAULT_TRACKS_FILE)
+
+
+def _track_from_table(name: str, table: dict, source: Path) -> Track:
+    known = {field.name for field in dataclasses.fields(Track)} - {"name"}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise SpecError(f"{source}: track {name!r} has unknown keys {unknown}; known keys: {sorted(known)}")
+    missing = [key for key in ("dataset", "ranks", "target_accuracy", "time_budget_s") if key not in table]
+    if missing:
+        raise SpecError(f"{source}: track {name!r} lacks {', '.join(missing)}")
+    values = dict(table)
+    values["launcher_options"] = tuple(str(option) for option in values.get("launcher_options", ()))
+    track = Track(name=name, **values)
+    if track.dataset not in DATASETS:
+        raise SpecError(f"{source}: track {name!r} has dataset {track.dataset!r}; known: {', '.join(DATASETS)}")
+    if track.launcher not in LAUNCHERS:
+        raise SpecError(f"{source}: track {name!r} has launcher {track.launcher!r}; known: {', '.join(LAUNCHERS)}")
+    if not (track.ranks == ALL_GPUS or (isinstance(track.ranks, int) and track.ranks >= 1)):
+        raise SpecError(f"{source}: track {name!r}: ranks must be a number ≥ 1 or {ALL_GPUS!r}")
+    if not 0 < track.target_accuracy <= 1 or track.time_budget_s <= 0 or track.grace_s < 0:
+        raise SpecError(f"{source}: track {name!r}: target_accuracy must be in (0, 1], time_budget_s positive "
+                        f"and grace_s not negative")
+    if not 0 <= track.min_spread_deciles <= 10:
+        raise SpecError(f"{source}: track {name!r}: min_spread_deciles must be between 0 and 10")
+    return track
+
+
+def load_tracks(path: str | os.PathLike | None = None) -> dict[str, Track]:
+    source = tracks_file(path)
+    try:
+        document = tomllib.loads(source.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"track file {source} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise SpecError(f"track file {source} is not readable TOML: {error}") from None
+    tables = document.get("tracks")
+    if not isinstance(tables, dict) or not tables:
+        raise SpecError(f"{source} has no [tracks.NAME] tables")
+    return {name: _track_from_table(name, table, source) for name, table in tables.items()}
+
+
+def load_track(name: str | None = None, path: str | os.PathLike | None = None) -> Track:
+    """The track called ``name`` (default: $SCALELAB_TRACK, else cifar10-cpu)."""
+    name = name or os.environ.get("SCALELAB_TRACK") or DEFAULT_TRACK
+    tracks = load_tracks(path)
+    if name not in tracks:
+        raise SpecError(f"unknown track {name!r}; known tracks: {', '.join(sorted(tracks))}")
+    return tracks[name]

@@ -1,0 +1,101 @@
+"""`scalelab assess` exit codes: 2 for bad input (one line on stderr), 3 with an error verdict when the grader
+itself fails, 1 for a syntax error (the submission's problem)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import subprocess_env
+
+SCALELAB = [sys.executable, "-m", "scalelab.cli"]
+TEST_TRACKS = Path(__file__).parent / "submissions" / "tracks.toml"
+
+
+def scalelab(*args, env=None, timeout=300):
+    return subprocess.run([*SCALELAB, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env=env or subprocess_env())
+
+
+def bad_inputs(tmp_path):
+    empty = tmp_path / "empty.py"
+    empty.write_text("")
+    blank = tmp_path / "blank.py"
+    blank.write_text("\n   \n")
+    binary = tmp_path / "binary.py"
+    binary.write_bytes(Path(sys.executable).resolve().read_bytes()[:4096])
+    large = tmp_path / "large.py"
+    large.write_text("# padding\n" * 200_000)
+    text = tmp_path / "assessment.txt"
+    text.write_text("print('hello')\n")
+    return {"missing": (tmp_path / "missing.py", "does not exist"), "directory": (tmp_path, "is a directory"),
+            "empty": (empty, "is empty"), "blank": (blank, "only white space"),
+            "binary": (binary, "binary"), "too large": (large, "over the"), "not .py": (text, "not a Python file")}
+
+
+@pytest.mark.parametrize("case", ["missing", "directory", "empty", "blank", "binary", "too large", "not .py"])
+def test_bad_input_exits_2_with_one_line_on_stderr(tmp_path, case):
+    path, message = bad_inputs(tmp_path)[case]
+    done = scalelab("assess", path, "--json")
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr
+
+
+def test_unknown_track_exits_2_naming_the_known_tracks(tmp_path):
+    submission = tmp_path / "assessment.py"
+    submission.write_text("print('hi')\n")
+    done = scalelab("assess", submission, "--track", "gpu-please")
+    assert done.returncode == 2 and "known tracks: cifar10, cifar10-cpu, fashion-mnist-cpu" in done.stderr
+
+
+def test_syntax_error_is_a_failing_submission_with_the_line_in_the_reasons(tmp_path):
+    out = tmp_path / "out"
+    done = scalelab("assess", Path(__file__).parent / "submissions" / "syntax_error.py", "--json", "--out", out,
+                    "--track", "fashion-mnist-test", "--track-file", TEST_TRACKS,
+                    env=subprocess_env(SCALELAB_HOME=str(tmp_path / "home")))
+    assert done.returncode == 1, done.stderr
+    verdict = json.loads(done.stdout)
+    assert verdict["verdict"] == "fail"
+    assert "SyntaxError at line 4" in verdict["reasons"][0]
+    assert json.loads((out / "verdict.json").read_text())["submission_sha256"] == verdict["submission_sha256"]
+
+
+def test_grader_failure_still_writes_an_error_verdict_and_exits_3(tmp_path):
+    # SCALELAB_HOME is a file, so the grader cannot make its job directory: its own failure, not the student's.
+    home = tmp_path / "home"
+    home.write_text("not a directory")
+    out = tmp_path / "out"
+    done = scalelab("assess", Path(__file__).parent / "submissions" / "honest_small.py", "--json", "--out", out,
+                    "--track", "fashion-mnist-test", "--track-file", TEST_TRACKS,
+                    env=subprocess_env(SCALELAB_HOME=str(home)))
+    assert done.returncode == 3, done.stderr
+    printed = json.loads(done.stdout)
+    written = json.loads((out / "verdict.json").read_text())
+    assert printed["verdict"] == written["verdict"] == "error"
+    assert written["reasons"][0].startswith("internal error in the grader")
+    for key in ("verdict", "reasons", "heldout_accuracy", "target_accuracy", "wall_time_s", "time_budget_s", "np",
+                "ranks_seen", "allreduce_count", "track", "submission_sha256", "started_at", "finished_at",
+                "logs_dir", "environment"):
+        assert key in written, key
+    assert written["environment"]["tensorflow"] == "2.15.1"
+    assert (out / "grader-error.log").read_text().startswith("Traceback")
+    assert json.loads((out / "progress.json").read_text())["state"] == "done"
+
+
+def test_missing_sandbox_refuses_unless_unsandboxed_is_allowed(tmp_path):
+    # A PATH without bwrap: the grader must refuse (exit 3, error verdict that says how to proceed).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    env = subprocess_env(SCALELAB_HOME=str(tmp_path / "home"))
+    env["PATH"] = f"{Path(sys.executable).parent}:{bin_dir}"
+    out = tmp_path / "out"
+    done = scalelab("assess", Path(__file__).parent / "submissions" / "honest_small.py", "--json", "--out", out,
+                    "--track", "fashion-mnist-test", "--track-file", TEST_TRACKS, env=env)
+    assert done.returncode == 3
+    verdict = json.loads(done.stdout)
+    assert "bubblewrap (bwrap) is not installed" in verdict["reasons"][0]
+    assert "--allow-unsandboxed" in verdict["reasons"][0]
