@@ -43,5 +43,25 @@ lab: setup
 test: setup
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
 
+# The nbgrader course directory (holds nbgrader_config.py); point it at a copy to try the cycle elsewhere.
+LABS ?= labs
+NBGRADER := $(abspath $(VENV))/bin/nbgrader
+# e.g. AUTOGRADE_OPTIONS=--force to grade again what is already graded
+AUTOGRADE_OPTIONS ?=
+
+# Student versions of every assignment in $(LABS)/source/, written to $(LABS)/release/ (no solutions, no hidden tests).
+release: setup
+	cd $(LABS) && for assignment in $$(cd source && ls -d */ | tr -d /); do \
+		$(NBGRADER) generate_assignment "$$assignment" --force || exit 1; \
+	done
+
+# Grade every assignment with submissions in $(LABS)/submitted/<student>/<assignment>/ into $(LABS)/gradebook.db.
+autograde: setup
+	cd $(LABS) && assignments=$$(ls -d submitted/*/*/ 2>/dev/null | cut -d/ -f3 | sort -u); \
+	[ -n "$$assignments" ] || { echo "nothing to grade: no $(LABS)/submitted/<student>/<assignment>/"; exit 0; }; \
+	for assignment in $$assignments; do \
+		$(NBGRADER) autograde "$$assignment" $(AUTOGRADE_OPTIONS) || exit 1; \
+	done
+
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

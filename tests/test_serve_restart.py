@@ -1,0 +1,113 @@
+"""Restart safety: kill -9 the server with one job running and three queued, start it again, lose nothing.
+
+The running job is a submission that only sleeps (a real horovodrun in the real sandbox); the queued ones are
+fast. After the restart the running job must be ``interrupted`` with a reason, its grader and ranks gone, and the
+queued jobs graded. Then a clean stop (SIGTERM) with a job running must mark that job interrupted too.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "submissions" / "service"))
+from jupyter_process import TEST_TRACKS, JupyterServer  # noqa: E402
+
+from scalelab.grader.queue import AssessQueue, sqlite_url  # noqa: E402
+
+SERVICE_TESTS = Path(__file__).parent / "submissions" / "service"
+QUEUED_STUDENTS = ["queued1", "queued2", "queued3"]
+TOKENS = {f"{name}-token": name for name in ["sleeper", *QUEUED_STUDENTS]}
+
+pytestmark = pytest.mark.slow
+
+
+def _course(root: Path) -> None:
+    for student in TOKENS.values():
+        folder = root / student / "assessment"
+        folder.mkdir(parents=True)
+        submission = "sleeps.py" if student == "sleeper" else "syntax_error_fast.py"
+        shutil.copy(SERVICE_TESTS / submission, folder / "assessment.py")
+
+
+def _server(root: Path, home: Path) -> JupyterServer:
+    return JupyterServer(root, home, user_tokens=TOKENS, service={
+        "slots": 1, "track": "fashion-mnist-hang", "tracks_file": str(TEST_TRACKS),
+        "submission_path": "{student}/assessment/assessment.py", "poll_interval_s": 0.5})
+
+
+def _wait_until_running_with_ranks(server: JupyterServer, job_id: int, timeout_s: float = 90) -> psutil.Process:
+    """The job's grader process, once horovodrun runs under it (so the kill lands mid-run)."""
+    queue = AssessQueue(sqlite_url(server.database))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            job = queue.get(job_id)
+            if job["state"] == "running" and job["grader_pid"]:
+                grader = psutil.Process(job["grader_pid"])
+                if any("horovodrun" in " ".join(child.cmdline()) for child in grader.children(recursive=True)):
+                    return grader
+            time.sleep(0.3)
+    finally:
+        queue.close()
+    raise AssertionError(f"job {job_id} never reached horovodrun:\n{server.log_tail()}")
+
+
+def test_kill_9_mid_queue_then_restart_loses_nothing_and_passes_nothing(tmp_path):
+    root, home = tmp_path / "course", tmp_path / "home"
+    _course(root)
+    first = _server(root, home).start()
+    second = None
+    try:
+        sleeper = first.api("POST", "assessments", token="sleeper-token").json()["job"]["id"]
+        grader = _wait_until_running_with_ranks(first, sleeper)
+        queued = {student: first.api("POST", "assessments", token=f"{student}-token").json()["job"]
+                  for student in QUEUED_STUDENTS}
+        assert all(job["state"] == "queued" for job in queued.values())
+        assert [job["position"] for job in queued.values()] == [1, 2, 3]
+        family = [grader, *grader.children(recursive=True)]
+
+        first.kill_hard()
+        assert grader.is_running(), "the grader runs in its own session and outlives the killed server"
+
+        second = _server(root, home)
+        second.port, second.url = first.port, first.url  # same address, as a restarted service would have
+        second.start()
+        interrupted = second.wait_for_job(sleeper, "sleeper-token", timeout_s=30)
+        finished = {student: second.wait_for_job(job["id"], f"{student}-token", timeout_s=120)
+                    for student, job in queued.items()}
+
+        assert interrupted["state"] == "interrupted", interrupted
+        assert interrupted["verdict"] is None
+        assert "Interrupted" in interrupted["reason"] and "click Assess" in interrupted["reason"]
+        gone, alive = psutil.wait_procs(family, timeout=15)
+        assert not alive, f"processes of the interrupted job survived: {alive}"
+        for student, job in finished.items():
+            assert job["state"] == "done", job
+            assert job["verdict"]["verdict"] == "fail"
+        history = second.api("GET", "assessments", token="sleeper-token").json()["assessments"]
+        assert [entry["state"] for entry in history] == ["interrupted"]
+
+        # A clean stop with a job running: the job is marked interrupted, its processes end.
+        again = second.api("POST", "assessments", token="sleeper-token").json()["job"]["id"]
+        grader = _wait_until_running_with_ranks(second, again)
+        family = [grader, *grader.children(recursive=True)]
+        second.stop()
+        _gone, alive = psutil.wait_procs(family, timeout=15)
+        assert not alive, f"processes survived a clean stop: {alive}"
+        queue = AssessQueue(sqlite_url(second.database))
+        stored = {job["id"]: job for job in queue.all_jobs()}
+        queue.close()
+        assert stored[again]["state"] == "interrupted", stored[again]
+        assert "server was stopped" in stored[again]["reason"]
+        assert not any(job["verdict"] == "pass" for job in stored.values())
+        assert len(stored) == 5
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
