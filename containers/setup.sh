@@ -29,8 +29,8 @@ done
 say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 
 # Debian packages: the MPI Horovod links against, its build tools, offline Fashion-MNIST,
-# the grader's sandbox, and Chromium for the browser tests.
-apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make dataset-fashion-mnist bubblewrap chromium procps)
+# the grader's sandbox, Chromium for the browser tests, and Slurm + munge (the Slurm backend and its tests).
+apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make dataset-fashion-mnist bubblewrap chromium procps slurm-wlm slurm-client munge)
 if [ "$do_apt" = 1 ]; then
     missing=()
     for package in "${apt_packages[@]}"; do

@@ -14,6 +14,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import math
+import os
 import re
 import statistics
 import sys
@@ -73,6 +74,10 @@ class NbgraderGradebook:
         from nbgrader.api import Gradebook
 
         path.parent.mkdir(parents=True, exist_ok=True)
+        # nbgrader runs `alembic` from PATH: make this interpreter's copy findable when the venv is not activated.
+        venv_bin = str(Path(sys.executable).parent)
+        if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
         self.gradebook = Gradebook(f"sqlite:///{path}", course_id=COURSE_ID)
         self.gradebook.update_or_create_assignment(ASSIGNMENT)
         self.gradebook.update_or_create_notebook(NOTEBOOK, ASSIGNMENT)

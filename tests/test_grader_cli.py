@@ -99,3 +99,12 @@ def test_missing_sandbox_refuses_unless_unsandboxed_is_allowed(tmp_path):
     verdict = json.loads(done.stdout)
     assert "bubblewrap (bwrap) is not installed" in verdict["reasons"][0]
     assert "--allow-unsandboxed" in verdict["reasons"][0]
+
+
+def test_gradebook_opens_when_the_venv_is_not_on_path(tmp_path, monkeypatch):
+    # nbgrader migrates its gradebook with the `alembic` command; `make` and cron jobs do not activate the venv.
+    from scalelab.grader import grading
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    gradebook = grading.NbgraderGradebook(tmp_path / "gradebook.db")
+    assert (tmp_path / "gradebook.db").is_file()
+    gradebook.close()
