@@ -122,6 +122,9 @@ def status_text(job: dict | None) -> str:
                 else f"Assessment {job['id']}: queued.")
     if state == "running":
         progress = job.get("progress") or {}
+        if progress.get("state") == "queued":  # the Slurm backend: the job waits in Slurm's own queue
+            return (f"Assessment {job['id']}: waiting in Slurm's queue (job {progress.get('slurm_job_id')}, "
+                    f"position {progress.get('queue_position') or '?'}, {progress.get('slurm_reason') or 'pending'}).")
         return (f"Assessment {job['id']}: running, {_number(progress.get('elapsed_s'), '.0f', '0')} s of "
                 f"{_number(progress.get('time_budget_s') or job.get('time_budget_s'), '.0f')} s budget, "
                 f"epochs seen {progress.get('epochs_seen') or 0}.")

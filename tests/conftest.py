@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -39,3 +40,17 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env.update(extra)
     return env
+
+
+def leftover_processes(marker: str, uid: int | None = None) -> list[str]:
+    """Processes of a finished run: its sandbox uid, or a marker (e.g. the test's directory) in the command line."""
+    found = []
+    for process in psutil.process_iter(["uids", "cmdline"]):
+        try:
+            process_uid = process.info["uids"].real if process.info["uids"] else None
+            command = " ".join(process.info["cmdline"] or [])
+        except psutil.Error:
+            continue
+        if (uid is not None and process_uid == uid) or marker in command:
+            found.append(f"{process.pid} {command[:120]}")
+    return found

@@ -8,30 +8,15 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from conftest import subprocess_env
+from conftest import leftover_processes, subprocess_env
 from scalelab.grader import launch, spec, store
 
 SUBMISSIONS = Path(__file__).parent / "submissions"
 TEST_TRACKS = SUBMISSIONS / "tracks.toml"
 
 pytestmark = pytest.mark.slow
-
-
-def leftover_processes(marker: str, uid: int | None = None) -> list[str]:
-    """Processes of a finished job: its sandbox uid, or a marker in the command line."""
-    found = []
-    for process in psutil.process_iter(["uids", "cmdline"]):
-        try:
-            process_uid = process.info["uids"].real if process.info["uids"] else None
-            command = " ".join(process.info["cmdline"] or [])
-        except psutil.Error:
-            continue
-        if (uid is not None and process_uid == uid) or marker in command:
-            found.append(f"{process.pid} {command[:120]}")
-    return found
 
 
 def assess(tmp_path, submission: Path, track="fashion-mnist-test", timeout=600):
