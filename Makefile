@@ -63,5 +63,11 @@ autograde: setup
 		$(NBGRADER) autograde "$$assignment" $(AUTOGRADE_OPTIONS) || exit 1; \
 	done
 
+# The benchmark report (report.json, report.md, plots) in $(BENCH_OUT); BENCH_ARGS=--quick for a smoke run.
+BENCH_OUT ?= bench-report
+BENCH_ARGS ?=
+bench: setup
+	PYTHONPATH=source_code $(PYTHON) -m benchmarks.run --out $(BENCH_OUT) $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,80 @@
+"""report.json and report.md: every figure with what it is, its min/median/max, its goal and whether it is met.
+
+A goal is judged on the median over repeats; the min and max show how much the machine's noise moved it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+# id → (what, goal comparison, goal value, unit); comparison None means "report only".
+FIGURES = {
+    "P1": ("img/s of the course's training script (fashion_mnist.py) ÷ bare TF train step, same model, "
+           "in-memory data", ">=", 0.95, "ratio"),
+    "P2": ("horovodrun -np 2, 1 intra-op thread per rank ÷ 1 process with 2 threads, same model and global "
+           "batch (img/s)", ">=", 0.95, "ratio"),
+    "P3": ("`scalelab assess` wall time − bare `horovodrun` wall time, same submission", "<=", 3.0, "s"),
+    "P4": ("Assess click-to-verdict for the reference solution ÷ the track's budget (measured by the lead)",
+           None, None, "ratio"),
+    "P5": ("class grading: makespan ÷ (sum of job times ÷ slots)", "<=", 1.10, "ratio"),
+    "P6": ("hvd.allreduce bus bandwidth at 64 MB, np 2, loopback ÷ single-core memcpy bandwidth", ">=", 0.5,
+           "ratio"),
+}
+
+
+def judge(figure_id: str, figure: dict) -> dict:
+    """The figure with ``what``, ``goal`` and ``met`` (None when not measured or report-only)."""
+    what, comparison, goal, unit = FIGURES[figure_id]
+    median = figure.get("median")
+    if comparison is None or median is None:
+        met = None
+    else:
+        met = median >= goal if comparison == ">=" else median <= goal
+    return dict(figure, id=figure_id, what=what, unit=unit,
+                goal=None if comparison is None else f"{comparison.replace('>=', '≥').replace('<=', '≤')} {goal:g}",
+                met=met)
+
+
+def _number(value, unit: str) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.2f} s" if unit == "s" else f"{value:.3f}"
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = [
+        f"# ScaleLab benchmark report",
+        "",
+        f"{report['finished_at']} on {env.get('cpu_count')} × {env.get('cpu_model')} ({env.get('host')}); "
+        f"TensorFlow {env.get('tensorflow')}, Horovod {env.get('horovod')}, Python {env.get('python')}"
+        + (" — **quick run** (small settings, not for comparison)" if report["quick"] else "") + ".",
+        "",
+        "| id | what | min | median | max | goal | met? |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for figure_id in FIGURES:
+        figure = report["figures"][figure_id]
+        unit = figure["unit"]
+        if figure.get("not_measured"):
+            cells = ["—", "—", "—"]
+            met = f"not measured: {figure['not_measured']}"
+        else:
+            cells = [_number(figure.get(key), unit) for key in ("min", "median", "max")]
+            met = {True: "yes", False: "**no**", None: "report"}[figure["met"]]
+        lines.append(f"| {figure_id} | {figure['what']} | {' | '.join(cells)} | {figure['goal'] or '—'} | {met} |")
+    lines += ["", "Each figure is min/median/max over repeats (n per figure in report.json); goals are judged on "
+              "the median.", ""]
+    for note in report.get("notes", []):
+        lines.append(f"- {note}")
+    if report.get("plots"):
+        lines += ["", "## Plots", ""] + [f"![{name}]({name})" for name in report["plots"]]
+    return "\n".join(lines) + "\n"
+
+
+def write(out_dir: Path, report: dict) -> None:
+    report["finished_at"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (out_dir / "report.md").write_text(markdown(report))

@@ -1,0 +1,202 @@
+"""Run every benchmark and write the report (issue #7).
+
+    PYTHONPATH=source_code .venv/bin/python -m benchmarks.run --out bench-report          # about 10 min, 2 cores
+    PYTHONPATH=source_code .venv/bin/python -m benchmarks.run --out /tmp/quick --quick    # < 1 min, P1 and P6 only
+
+Writes OUT/report.json (every figure with its samples, and the environment), OUT/report.md (the table) and
+OUT/*.png, plus each measured program's log under OUT/logs/. A benchmark that fails leaves its figure
+"not measured" with the error, and the others still run. P4 is measured by the lead (a browser click on Assess):
+its figure is read from --p4-file when that file exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+import traceback
+from pathlib import Path
+
+from scalelab import environment
+from scalelab.runtime import usable_cores
+
+from . import bandwidth, class_grading, grader_overhead, plots, report, training
+from .summary import not_measured, spread
+
+STAGES = ("bandwidth", "training", "grader", "class")
+# What each stage fills in, so that a run of some stages (--only) can keep the others' results (--keep).
+STAGE_FIGURES = {"bandwidth": ("P6",), "training": ("P1", "P2"), "grader": ("P3",), "class": ("P5",)}
+STAGE_DETAILS = {"bandwidth": ("allreduce", "allreduce_bound"), "training": ("training", "batch_sweep"),
+                 "grader": ("grader_overhead",), "class": ("class_grading",)}
+STAGE_PLOTS = {"bandwidth": ("allreduce_bandwidth.png",), "training": ("images_per_s_vs_batch.png",),
+               "grader": (), "class": ("class_grading.png",)}
+
+
+def settings(quick: bool) -> dict:
+    if quick:
+        return dict(sizes=bandwidth.QUICK_SIZES, allreduce_repeats=3, variants=["gloo"], repeats=1, epochs=2,
+                    train_images=2560, steps=10, sweep=[32, 128], sweep_images=256, sweep_repeats=1,
+                    with_horovod=False, grader_repeats=0, students=0)
+    # Sized for about 10 minutes on 2 cores, where the course's CNN trains at about 600 img/s.
+    return dict(sizes=bandwidth.FULL_SIZES, allreduce_repeats=7, variants=list(bandwidth.VARIANTS), repeats=3,
+                epochs=3, train_images=6400, steps=20, sweep=[32, 64, 128, 256, 512], sweep_images=1280,
+                sweep_repeats=2, with_horovod=True, grader_repeats=3, students=20)
+
+
+def p4_from_file(path: Path) -> dict:
+    """``{"click_to_verdict_s": [..], "time_budget_s": B}`` written by whoever clicked Assess, or not measured."""
+    if not path.is_file():
+        return not_measured(f"no {path.name} (the lead measures P4 in a browser)")
+    document = json.loads(path.read_text())
+    figure = spread(t / document["time_budget_s"] for t in document["click_to_verdict_s"])
+    figure.update(source=str(path), click_to_verdict_s=spread(document["click_to_verdict_s"]),
+                  time_budget_s=document["time_budget_s"])
+    return figure
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="ScaleLab benchmarks: report.json, report.md and plots")
+    parser.add_argument("--out", type=Path, required=True, help="report directory (created)")
+    parser.add_argument("--quick", action="store_true", help="tiny settings: P6 up to 1 MB and P1 only (< 1 min)")
+    parser.add_argument("--only", default=",".join(STAGES), help=f"comma-separated stages of {', '.join(STAGES)}")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the results of stages not run now from OUT/report.json (run the stages one "
+                             "at a time into the same OUT)")
+    parser.add_argument("--keep-from", type=Path, action="append", default=[],
+                        help="also keep stages from this earlier report.json (repeatable; its plots are copied)")
+    parser.add_argument("--p4-file", type=Path, default=None,
+                        help="P4's measurements (default: OUT/p4_click_to_verdict.json)")
+    args = parser.parse_args(argv)
+    stages = [stage.strip() for stage in args.only.split(",") if stage.strip()]
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        parser.error(f"unknown stages {unknown}; known: {', '.join(STAGES)}")
+    config = settings(args.quick)
+    out = args.out.resolve()
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    skipped = "skipped in --quick" if args.quick else "stage not selected (--only)"
+    figures = {figure_id: not_measured(skipped) for figure_id in ("P1", "P2", "P3", "P5", "P6")}
+    details, notes, plot_files, durations, stages_kept = {}, [], [], {}, []
+    started = time.perf_counter()
+    earlier = ([out / "report.json"] if args.keep else []) + [path.resolve() for path in args.keep_from]
+    for previous_file in (path for path in earlier if path.is_file()):
+        previous = json.loads(previous_file.read_text())
+        kept_here = []
+        for name in STAGES:
+            if name in stages or name in stages_kept or name not in previous.get("stages", []):
+                continue
+            for figure_id in STAGE_FIGURES[name]:
+                figures[figure_id] = previous["figures"][figure_id]
+            for key in STAGE_DETAILS[name]:
+                if key in previous["details"]:
+                    details[key] = previous["details"][key]
+            for plot in STAGE_PLOTS[name]:
+                if plot in previous.get("plots", []):
+                    if previous_file.parent != out:
+                        shutil.copyfile(previous_file.parent / plot, out / plot)
+                    plot_files.append(plot)
+            durations[name] = previous["stage_durations_s"].get(name)
+            notes.extend(n for n in previous.get("notes", []) if n.startswith((f"{name} ", f"{name}:")))
+            kept_here.append(name)
+        stages_kept.extend(kept_here)
+        if kept_here:
+            notes.append(f"kept from the run of {previous['finished_at']} ({previous_file}): {', '.join(kept_here)}")
+
+    def stage(name, body):
+        if name not in stages:
+            return
+        print(f"[{name}]", flush=True)
+        stage_started = time.perf_counter()
+        try:
+            body()
+        except Exception as error:  # one failed benchmark must not lose the others' figures
+            notes.append(f"{name} failed: {type(error).__name__}: {str(error)[:300]}")
+            (logs / f"{name}-error.log").write_text(traceback.format_exc())
+            print(f"  FAILED: {error}", flush=True)
+        durations[name] = time.perf_counter() - stage_started
+
+    def run_bandwidth():
+        documents = []
+        for variant in config["variants"]:
+            document = bandwidth.measure(variant, logs, sizes=config["sizes"], repeats=config["allreduce_repeats"])
+            documents.append(document)
+            ratio = bandwidth.p6_ratio(document)
+            print(f"  {variant}: {ratio['bus_gb_per_s']['median']:.2f} GB/s at {ratio['message_bytes']} bytes, "
+                  f"memcpy {ratio['memcpy_gb_per_s']['median']:.2f} GB/s: ratio {ratio['median']:.3f}", flush=True)
+        details["allreduce"] = documents
+        # P6 is the best transport setting measured (named in the figure); every setting's ratio is kept.
+        by_variant = {document["variant"]: bandwidth.p6_ratio(document) for document in documents}
+        best = max(by_variant.values(), key=lambda ratio: ratio["median"])
+        figures["P6"] = dict(best, by_variant={name: {k: ratio[k] for k in ("min", "median", "max")}
+                                               for name, ratio in by_variant.items()})
+        notes.append("bandwidth: P6 is the best transport setting measured, " + figures["P6"]["variant"]
+                     + "; medians by setting: " + ", ".join(f"{name} {ratio['median']:.3f}"
+                                                            for name, ratio in by_variant.items()))
+        bound = bandwidth.ideal_bound(logs, figures["P6"]["message_bytes"], config["allreduce_repeats"])
+        details["allreduce_bound"] = bound
+        figures["P6"]["ideal_shared_memory_ratio"] = bound["ratio"]
+        print(f"  ideal shared-memory allreduce (no transport, no Horovod): ratio {bound['ratio']['median']:.3f}",
+              flush=True)
+        notes.append(f"bandwidth: P6 ceiling on this machine: an ideal 2-rank allreduce done directly in shared "
+                     f"memory (allreduce_bound.py) reaches {bound['ratio']['median']:.2f} of memcpy "
+                     f"(min {bound['ratio']['min']:.2f}, max {bound['ratio']['max']:.2f}).")
+        if figures["P6"]["message_bytes"] != bandwidth.P6_MESSAGE_BYTES:
+            notes.append(f"bandwidth: P6 measured at {figures['P6']['message_bytes']} bytes, not 64 MB (--quick)")
+        plot_files.append(plots.allreduce_bandwidth(documents, out / "allreduce_bandwidth.png").name)
+
+    def run_training():
+        result = training.measure(logs, repeats=config["repeats"], epochs=config["epochs"],
+                                  train_images=config["train_images"], steps=config["steps"],
+                                  with_horovod=config["with_horovod"])
+        figures["P1"] = result["P1"]
+        if result["P2"] is not None:
+            figures["P2"] = result["P2"]
+        details["training"] = result
+        sweep = training.batch_sweep(logs, config["sweep"], config["sweep_images"], config["sweep_repeats"])
+        details["batch_sweep"] = sweep
+        plot_files.append(plots.throughput_vs_batch(sweep, out / "images_per_s_vs_batch.png").name)
+
+    def run_grader():
+        if config["grader_repeats"] < 1:
+            return
+        result = grader_overhead.measure(logs / "grader", repeats=config["grader_repeats"])
+        figures["P3"] = result["P3"]
+        details["grader_overhead"] = result
+
+    def run_class():
+        if config["students"] < 1:
+            return
+        slots = usable_cores()  # one-rank jobs: one slot per core, as `scalelab grade` would choose
+        result = class_grading.measure(logs / "class", students=config["students"], slots=slots)
+        figures["P5"] = result["P5"]
+        details["class_grading"] = result
+        plot_files.append(plots.class_grading_timeline(result["jobs"], slots, out / "class_grading.png").name)
+
+    stage("bandwidth", run_bandwidth)
+    stage("training", run_training)
+    stage("grader", run_grader)
+    stage("class", run_class)
+    figures["P4"] = p4_from_file(args.p4_file or out / "p4_click_to_verdict.json")
+
+    env = environment.describe()
+    env.update(mpi=environment.mpi_implementation(),
+               horovod_env={k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")})
+    document = {
+        "quick": args.quick, "stages": stages + stages_kept, "stages_kept_from_earlier_run": stages_kept,
+        "settings": config, "environment": env,
+        "figures": {figure_id: report.judge(figure_id, figures[figure_id]) for figure_id in report.FIGURES},
+        "details": details, "notes": notes, "plots": plot_files,
+        "stage_durations_s": durations,
+        "total_s": sum(d for d in durations.values() if d),
+    }
+    report.write(out, document)
+    print((out / "report.md").read_text(), flush=True)
+    print(f"report: {out / 'report.json'}, {out / 'report.md'} (stages took {document['total_s']:.0f} s)", flush=True)
+    return 1 if any(" failed: " in note for note in notes) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

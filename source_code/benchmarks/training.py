@@ -1,0 +1,101 @@
+"""P1, P2 and the batch-size sweep: the course's own training scripts timed against a bare training step.
+
+- P1 = img/s of ``source_code/fashion_mnist.py`` (its own ``Throughput`` callback, training steps only)
+  ÷ img/s of ``train_step_throughput.py`` (same model, in-memory data), batch 128.
+- P2 = img/s of ``source_code/fashion_mnist_horovod.py`` under ``horovodrun -np 2`` (1 intra-op thread per
+  rank, set by the script) ÷ img/s of ``fashion_mnist.py`` (1 process, TensorFlow's 2 threads), same model,
+  same global batch (64 × 2 = 128).
+The three programs run in turn, once per repeat; each ratio is taken within a repeat and its spread is over
+repeats. The first epoch of every script (tracing, warm-up) is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+from . import processes
+from .summary import spread
+
+# Under horovodrun every line starts with the rank's prefix: "[0]<stdout>:" (Gloo) or "[1,0]<stdout>:" (MPI).
+IMAGES_PER_S = re.compile(r"^(?:\[[\d,]+\]<stdout>:)?epoch (\d+)/\d+.*\bimg/s (\d+)", re.MULTILINE)
+GLOBAL_BATCH = 128
+
+
+def epoch_throughputs(output: str) -> list[float]:
+    """img/s of every epoch after the first, from the course scripts' epoch lines."""
+    return [float(rate) for epoch, rate in IMAGES_PER_S.findall(output) if int(epoch) > 1]
+
+
+def course_script_args(epochs: int, train_images: int, out_dir: Path) -> list[str]:
+    # A target above 1 so the run never stops early; few validation images, since validation is not timed.
+    return ["--epochs", str(epochs), "--train-images", str(train_images), "--val-images", "1024",
+            "--target-accuracy", "1.01", "--output-dir", str(out_dir)]
+
+
+def serial_script(out_dir: Path, tag: str, epochs: int, train_images: int) -> list[float]:
+    argv = [sys.executable, str(processes.SOURCE_CODE / "fashion_mnist.py"),
+            "--batch-size", str(GLOBAL_BATCH)] + course_script_args(epochs, train_images, out_dir / f"ckpt_{tag}")
+    finished = processes.run(argv, out_dir / f"fashion_mnist_{tag}.log", timeout_s=400)
+    return epoch_throughputs(finished.output)
+
+
+def horovod_script(out_dir: Path, tag: str, epochs: int, train_images: int, np: int = 2,
+                   controller: str = "gloo") -> list[float]:
+    argv = processes.horovodrun(np, controller) + [
+        str(processes.SOURCE_CODE / "fashion_mnist_horovod.py"), "--batch-size", str(GLOBAL_BATCH // np)
+    ] + course_script_args(epochs, train_images, out_dir / f"ckpt_{tag}")
+    finished = processes.run(argv, out_dir / f"fashion_mnist_horovod_{tag}.log", timeout_s=400)
+    return epoch_throughputs(finished.output)
+
+
+def bare_step(out_dir: Path, tag: str, batch_sizes, repeats: int, *, steps: int = 0,
+              images: int = 0) -> dict[int, list[float]]:
+    """img/s of the bare step per batch size: ``steps`` steps per repeat, or ``images`` images' worth."""
+    result_file = out_dir / f"train_step_{tag}.json"
+    argv = [sys.executable, str(processes.BENCHMARKS / "train_step_throughput.py"),
+            "--batch-sizes", ",".join(map(str, batch_sizes)),
+            *(["--steps", str(steps)] if steps else ["--images-per-repeat", str(images)]),
+            "--repeats", str(repeats), "--json", str(result_file)]
+    processes.run(argv, out_dir / f"train_step_{tag}.log", timeout_s=400)
+    return {row["batch_size"]: row["images_per_s"] for row in json.loads(result_file.read_text())["results"]}
+
+
+def measure(out_dir: Path, *, repeats: int, epochs: int, train_images: int, steps: int,
+            with_horovod: bool = True, log=print) -> dict:
+    """P1 and P2 with their raw samples; every ratio within one repeat (median of its epochs or steps)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    samples = {"bare": [], "serial": [], "horovod": []}
+    p1, p2 = [], []
+    for repeat in range(repeats):
+        bare = bare_step(out_dir, f"r{repeat}", [GLOBAL_BATCH], 3, steps=steps)[GLOBAL_BATCH]
+        serial = serial_script(out_dir, f"r{repeat}", epochs, train_images)
+        samples["bare"].append(bare)
+        samples["serial"].append(serial)
+        p1.append(statistics.median(serial) / statistics.median(bare))
+        line = f"  repeat {repeat + 1}: bare {statistics.median(bare):.0f} img/s, course script " \
+               f"{statistics.median(serial):.0f} img/s"
+        if with_horovod:
+            horovod = horovod_script(out_dir, f"r{repeat}", epochs, train_images)
+            samples["horovod"].append(horovod)
+            p2.append(statistics.median(horovod) / statistics.median(serial))
+            line += f", horovodrun -np 2 {statistics.median(horovod):.0f} img/s"
+        log(line)
+    return {
+        "P1": spread(p1),
+        "P2": spread(p2) if with_horovod else None,
+        "images_per_s": {name: spread(statistics.median(s) for s in runs) for name, runs in samples.items()},
+        "raw": samples,
+        "settings": {"global_batch": GLOBAL_BATCH, "epochs": epochs, "train_images": train_images,
+                     "bare_steps": steps, "repeats": repeats},
+    }
+
+
+def batch_sweep(out_dir: Path, batch_sizes, images: int, repeats: int) -> list[dict]:
+    """img/s of the bare step at each batch size (one process, so the sizes are comparable), each repeat
+    ``images`` images' worth of steps."""
+    rates = bare_step(out_dir, "sweep", batch_sizes, repeats, images=images)
+    return [{"batch_size": size, "images_per_s": spread(rates[size])} for size in batch_sizes]

@@ -1,0 +1,96 @@
+"""The benchmarks (source_code/benchmarks): the figures' arithmetic, and a real --quick run of the runner."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import PROJECT_ROOT, subprocess_env
+
+sys.path.insert(0, str(PROJECT_ROOT / "source_code"))  # the benchmarks are a directory, not an installed package
+
+from benchmarks import bandwidth, report, run, training  # noqa: E402
+from benchmarks.summary import not_measured, spread  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_spread_gives_min_median_max_of_the_samples_and_none_without_samples():
+    assert spread([3.0, 1.0, 2.0, 10.0]) == {"min": 1.0, "median": 2.5, "max": 10.0, "n": 4,
+                                             "samples": [3.0, 1.0, 2.0, 10.0]}
+    assert spread([])["median"] is None
+
+
+def test_goal_is_judged_on_the_median_in_the_goals_direction():
+    assert report.judge("P6", spread([0.4, 0.6, 0.7]))["met"] is True
+    assert report.judge("P6", spread([0.1, 0.2, 0.9]))["met"] is False
+    assert report.judge("P3", spread([1.0, 2.0, 9.0]))["met"] is True
+    assert report.judge("P3", spread([3.5, 4.0, 2.0]))["met"] is False
+    assert report.judge("P4", spread([0.5]))["met"] is None  # report only
+    assert report.judge("P1", not_measured("skipped"))["met"] is None
+
+
+def test_epoch_throughputs_reads_the_course_scripts_epoch_lines_and_drops_the_first_epoch():
+    from scalelab.callbacks import format_epoch  # the line the scripts really print
+
+    logs = {"loss": 0.8, "accuracy": 0.7, "val_loss": 0.7, "val_accuracy": 0.75, "lr": 0.02, "elapsed_s": 4.0}
+    output = "training on 2560 images, batch 128, 20 steps per epoch\n" + "\n".join(
+        format_epoch(epoch, 3, dict(logs, images_per_s=rate)) for epoch, rate in enumerate((1500, 3100, 3300)))
+    assert training.epoch_throughputs(output) == [3100.0, 3300.0]
+    under_horovodrun = "\n".join(f"[0]<stdout>:{line}" for line in output.splitlines())
+    assert training.epoch_throughputs(under_horovodrun) == [3100.0, 3300.0]
+    under_mpi = "\n".join(f"[1,0]<stdout>:{line}" for line in output.splitlines())
+    assert training.epoch_throughputs(under_mpi) == [3100.0, 3300.0]
+
+
+def test_p6_is_bus_bandwidth_over_the_median_memcpy_at_64_mb_or_the_largest_size_measured():
+    document = {"controller": "gloo", "memcpy_gb_per_s_spread": spread([4.0, 5.0, 6.0]), "sizes": []}
+    for size, rates in ((1 << 20, [1.0, 1.0]), (64 << 20, [2.0, 3.0, 2.5])):
+        document["sizes"].append({"message_bytes": size, "bus_gb_per_s_spread": spread(rates),
+                                  "ratio_to_memcpy": spread(r / 5.0 for r in rates)})
+    figure = bandwidth.p6_ratio(document)
+    assert figure["message_bytes"] == 64 << 20 and figure["median"] == pytest.approx(0.5)
+    document["sizes"].pop()
+    assert bandwidth.p6_ratio(document)["message_bytes"] == 1 << 20
+
+
+def test_p4_is_read_from_the_leads_file_and_is_not_measured_without_it(tmp_path):
+    assert "not_measured" in run.p4_from_file(tmp_path / "missing.json")
+    measured = tmp_path / "p4.json"
+    measured.write_text(json.dumps({"click_to_verdict_s": [120.0, 150.0, 180.0], "time_budget_s": 300}))
+    figure = run.p4_from_file(measured)
+    assert (figure["min"], figure["median"], figure["max"]) == (0.4, 0.5, 0.6)
+
+
+@pytest.mark.slow
+def test_quick_run_writes_report_json_markdown_and_plots_with_every_figure(tmp_path):
+    out = tmp_path / "report"
+    finished = subprocess.run([sys.executable, "-m", "benchmarks.run", "--out", str(out), "--quick"],
+                              capture_output=True, text=True, timeout=240, cwd=PROJECT_ROOT,
+                              env=subprocess_env(PYTHONPATH=str(PROJECT_ROOT / "source_code")))
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    document = json.loads((out / "report.json").read_text())
+    assert set(document["figures"]) == {"P1", "P2", "P3", "P4", "P5", "P6"}
+    for figure in document["figures"].values():
+        assert {"min", "median", "max", "goal", "met", "what"} <= set(figure)
+    # What --quick measures is real: positive ratios from real runs, min ≤ median ≤ max.
+    for measured in ("P1", "P6"):
+        figure = document["figures"][measured]
+        assert figure["n"] >= 1 and 0 < figure["min"] <= figure["median"] <= figure["max"], figure
+    assert document["figures"]["P6"]["memcpy_gb_per_s"]["median"] > 0
+    for skipped in ("P2", "P3", "P5"):
+        assert document["figures"][skipped]["not_measured"] == "skipped in --quick"
+    assert document["figures"]["P4"]["not_measured"]
+    for key in ("cpu_model", "cpu_count", "tensorflow", "horovod", "python"):
+        assert document["environment"][key], key
+    markdown = (out / "report.md").read_text()
+    assert "| id | what | min | median | max | goal | met? |" in markdown
+    for figure_id in document["figures"]:
+        assert f"\n| {figure_id} |" in markdown
+    assert set(document["plots"]) == {"allreduce_bandwidth.png", "images_per_s_vs_batch.png"}
+    for plot in document["plots"]:
+        assert (out / plot).read_bytes()[:8] == PNG_MAGIC
+        assert f"]({plot})" in markdown
