@@ -45,7 +45,8 @@ test: setup
 
 # The nbgrader course directory (holds nbgrader_config.py); point it at a copy to try the cycle elsewhere.
 LABS ?= labs
-NBGRADER := $(abspath $(VENV))/bin/nbgrader
+# nbgrader runs `alembic` from PATH when it creates the gradebook, so the venv's bin/ goes first.
+NBGRADER := PATH="$(abspath $(VENV))/bin:$$PATH" $(abspath $(VENV))/bin/nbgrader
 # e.g. AUTOGRADE_OPTIONS=--force to grade again what is already graded
 AUTOGRADE_OPTIONS ?=
 
