@@ -12,7 +12,7 @@ from conftest import PROJECT_ROOT, subprocess_env
 
 sys.path.insert(0, str(PROJECT_ROOT / "source_code"))  # the benchmarks are a directory, not an installed package
 
-from benchmarks import bandwidth, report, run, training  # noqa: E402
+from benchmarks import bandwidth, processes, report, run, time_to_accuracy, training  # noqa: E402
 from benchmarks.summary import not_measured, spread  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -66,9 +66,57 @@ def test_p4_is_read_from_the_leads_file_and_is_not_measured_without_it(tmp_path)
 
 
 @pytest.mark.slow
+def test_a_failed_runs_message_shows_the_ranks_error_not_only_horovodruns_traceback(tmp_path):
+    script = tmp_path / "failing_rank.py"
+    script.write_text("import horovod.tensorflow as hvd\nhvd.init()\nif hvd.rank() == 1:\n"
+                      "    raise ModuleNotFoundError('no module named scalelab.missing')\n")
+    with pytest.raises(processes.BenchmarkError) as failure:
+        processes.run(processes.horovodrun(2, "gloo") + [str(script)], tmp_path / "log.txt", timeout_s=120)
+    message = str(failure.value)
+    first_error = message.split("\n...\n")[0]
+    assert first_error.endswith("ModuleNotFoundError: no module named scalelab.missing"), message
+    assert "exited with" in message and (tmp_path / "log.txt").is_file()
+
+
+def write_calibration_run(run_dir, verdict: str, wall_time_s: float, heldout: float, epochs: int) -> None:
+    """A graded run as `scalelab calibrate` leaves it: verdict.json and rank 0's epoch lines."""
+    from scalelab.callbacks import format_epoch
+
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "verdict.json").write_text(json.dumps({
+        "verdict": verdict, "wall_time_s": wall_time_s, "heldout_accuracy": heldout, "time_budget_s": 240,
+        "target_accuracy": 0.5}))
+    lines = ["training on 4153 images, validating on 0"] + [
+        format_epoch(epoch, epochs, {"loss": 1.0, "accuracy": 0.4, "val_loss": 1.2, "val_accuracy": 0.1 * (epoch + 1),
+                                     "elapsed_s": 20.0 * (epoch + 1)}) for epoch in range(epochs)]
+    (run_dir / "logs" / "rank-0.log").write_text("\n".join(lines) + "\n")
+
+
+def test_time_to_accuracy_reads_the_calibration_runs_epoch_lines_and_verdicts(tmp_path):
+    for run_index in (1, 2):
+        write_calibration_run(tmp_path / f"reference-{run_index}", "pass", 150.0 + run_index, 0.55, epochs=5)
+    write_calibration_run(tmp_path / "baseline", "timeout", 250.0, 0.31, epochs=3)
+    (tmp_path / "reference-3").mkdir()  # a run cut short leaves no verdict: left out
+    calibration = time_to_accuracy.read_calibration(tmp_path)
+    assert [run["run"] for run in calibration["references"]] == ["reference-1", "reference-2"]
+    assert calibration["references"][0]["curve"] == [(20.0, 0.1), (40.0, 0.2), (60.0, 0.3), (80.0, 0.4), (100.0, 0.5)]
+    assert calibration["baseline"]["verdict"] == "timeout" and len(calibration["baseline"]["curve"]) == 3
+    assert calibration["reference_wall_time_s"]["median"] == 151.5
+
+
+def test_time_to_accuracy_without_a_baseline_run_names_what_is_missing(tmp_path):
+    write_calibration_run(tmp_path / "reference-1", "pass", 150.0, 0.55, epochs=2)
+    with pytest.raises(FileNotFoundError, match="scalelab calibrate"):
+        time_to_accuracy.read_calibration(tmp_path)
+
+
 def test_quick_run_writes_report_json_markdown_and_plots_with_every_figure(tmp_path):
     out = tmp_path / "report"
-    finished = subprocess.run([sys.executable, "-m", "benchmarks.run", "--out", str(out), "--quick"],
+    calibration = tmp_path / "calibration"
+    write_calibration_run(calibration / "reference-1", "pass", 151.0, 0.55, epochs=5)
+    write_calibration_run(calibration / "baseline", "timeout", 250.0, 0.31, epochs=3)
+    finished = subprocess.run([sys.executable, "-m", "benchmarks.run", "--out", str(out), "--quick",
+                               "--calibration", str(calibration)],
                               capture_output=True, text=True, timeout=240, cwd=PROJECT_ROOT,
                               env=subprocess_env(PYTHONPATH=str(PROJECT_ROOT / "source_code")))
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
@@ -90,7 +138,8 @@ def test_quick_run_writes_report_json_markdown_and_plots_with_every_figure(tmp_p
     assert "| id | what | min | median | max | goal | met? |" in markdown
     for figure_id in document["figures"]:
         assert f"\n| {figure_id} |" in markdown
-    assert set(document["plots"]) == {"allreduce_bandwidth.png", "images_per_s_vs_batch.png"}
+    assert set(document["plots"]) == {"allreduce_bandwidth.png", "images_per_s_vs_batch.png", "time_to_accuracy.png"}
+    assert document["details"]["time_to_accuracy"]["baseline"]["verdict"] == "timeout"
     for plot in document["plots"]:
         assert (out / plot).read_bytes()[:8] == PNG_MAGIC
         assert f"]({plot})" in markdown

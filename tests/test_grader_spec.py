@@ -18,6 +18,19 @@ def test_course_track_file_has_the_three_tracks_of_the_issue():
         assert 0 < track.target_accuracy <= 1 and track.time_budget_s > 0
 
 
+def test_cpu_tracks_are_calibrated_by_their_recorded_figures():
+    # "Calibrated": the reference passed every recorded run with at least 20% of the budget to spare and reached
+    # the target; the unmodified serial assessment did not pass.
+    tracks = spec.load_tracks()
+    for name in ("cifar10-cpu", "fashion-mnist-cpu"):
+        track, calibration = tracks[name], tracks[name].calibration
+        assert calibration["reference_runs"] >= 5, name
+        assert len(calibration["reference_wall_time_s"]) == calibration["reference_runs"], name
+        assert max(calibration["reference_wall_time_s"]) <= 0.8 * track.time_budget_s, name
+        assert min(calibration["reference_heldout_accuracy"]) >= track.target_accuracy, name
+        assert calibration["baseline_verdict"] in ("fail", "timeout"), name
+
+
 def test_default_track_is_cifar10_cpu_unless_scalelab_track_says_otherwise(monkeypatch):
     monkeypatch.delenv("SCALELAB_TRACK", raising=False)
     assert spec.load_track().name == "cifar10-cpu"

@@ -29,6 +29,21 @@ def test_batch_norm_flag_adds_one_normalisation_per_convolution():
     assert _count(normalised, tf.keras.layers.BatchNormalization) == _count(normalised, tf.keras.layers.Conv2D) == 6
 
 
+def test_bn_momentum_sets_how_fast_the_running_statistics_follow_the_batches():
+    norms = [layer for layer in models.cifar_cnn(bn_momentum=0.9).layers
+             if isinstance(layer, tf.keras.layers.BatchNormalization)]
+    assert len(norms) == 6 and {layer.momentum for layer in norms} == {0.9}
+    pixels = np.random.default_rng(1).integers(100, 256, (8, 28, 28, 1)).astype("uint8")
+    for momentum in (0.9, 0.99):
+        # One training step moves each running mean from 0 a fraction (1 − momentum) of the way to the batch mean.
+        model = models.small_cnn(batch_norm=True, bn_momentum=momentum)
+        norm = model.get_layer("block0_bn0")
+        norm_input = model.get_layer("block0_conv0")(model.get_layer("rescale")(pixels)).numpy()
+        norm(norm_input, training=True)
+        np.testing.assert_allclose(norm.moving_mean.numpy(), (1 - momentum) * norm_input.mean(axis=(0, 1, 2)),
+                                   rtol=1e-4, atol=1e-7)
+
+
 def test_ghost_batch_norm_normalises_each_group_separately():
     model = models.cifar_cnn(batch_norm=True, ghost_batch_size=4)
     norm = next(layer for layer in model.layers if isinstance(layer, tf.keras.layers.BatchNormalization))

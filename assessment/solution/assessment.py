@@ -23,8 +23,8 @@ from scalelab.runtime import configure_threads, pin_gpu
 # Tuned per data set: the grader runs with no arguments, so the data set the track names picks these.
 DATASET = os.environ.get("SCALELAB_DATASET", "cifar10")
 TUNED = {
-    "cifar10": dict(batch_size=64, epochs=8, lr=0.025, decay_epochs=(6,)),
-    "fashion-mnist": dict(batch_size=128, epochs=2, lr=0.05, decay_epochs=()),
+    "cifar10": dict(batch_size=64, epochs=8, lr=0.025, warmup_epochs=1.0, decay_epochs=(6,)),
+    "fashion-mnist": dict(batch_size=128, epochs=1, lr=0.05, warmup_epochs=0.25, decay_epochs=()),
 }[DATASET]
 
 parser = argparse.ArgumentParser(description="ScaleLab assessment: CIFAR-10 (reference Horovod solution)")
@@ -34,7 +34,8 @@ parser.add_argument("--batch-size", type=int, default=TUNED["batch_size"], help=
 parser.add_argument("--epochs", type=int, default=TUNED["epochs"], help="epochs to train")
 parser.add_argument("--lr", type=float, default=TUNED["lr"], help="SGD learning rate for one rank (scaled by ranks)")
 parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-parser.add_argument("--warmup-epochs", type=float, default=1.0, help="epochs of linear learning-rate warmup")
+parser.add_argument("--warmup-epochs", type=float, default=TUNED["warmup_epochs"],
+                    help="epochs of linear learning-rate warmup")
 parser.add_argument("--val-fraction", type=float, default=0.1,
                     help="fraction of the training images kept aside for validation")
 args = parser.parse_args()
@@ -62,14 +63,16 @@ val_images, val_labels = images[-validation_size:], labels[-validation_size:]
 train_images, train_labels = shard_arrays(train_images, train_labels, hvd.rank(), hvd.size())
 steps_per_epoch = len(train_images) // args.batch_size
 train_data = (tf.data.Dataset.from_tensor_slices((train_images, train_labels))
-              .shuffle(len(train_images)).batch(args.batch_size, drop_remainder=True).cache()
+              .shuffle(len(train_images)).batch(args.batch_size, drop_remainder=True)
               .repeat().prefetch(tf.data.AUTOTUNE))
 val_data = tf.data.Dataset.from_tensor_slices((val_images, val_labels)).batch(512).cache()
 
+# Batch norm with running statistics that keep up with a run of a few hundred steps (Keras's 0.99 would still
+# hold most of their initial values after an epoch, and the held-out evaluation uses them).
 if args.dataset == "cifar10":
-    model = cifar_cnn(batch_norm=True)
+    model = cifar_cnn(batch_norm=True, bn_momentum=0.9)
 else:
-    model = small_cnn(input_shape=images.shape[1:], num_classes=10, batch_norm=True)
+    model = small_cnn(input_shape=images.shape[1:], num_classes=10, batch_norm=True, bn_momentum=0.9)
 # Horovod: the global batch is size times larger, so the learning rate grows with it (linear scaling),
 # reached by a warmup that keeps the first steps stable.
 schedule = WarmupStepSchedule(peak_lr=scaled_learning_rate(args.lr, hvd.size()), steps_per_epoch=steps_per_epoch,

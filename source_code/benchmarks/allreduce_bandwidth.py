@@ -5,12 +5,9 @@
 Rank 0 first times a single-core memcpy (NumPy copy between two preallocated buffers of the largest size) while
 the other ranks wait, then all ranks allreduce float32 tensors of each size. Rank 0 writes one JSON document.
 
-How it is measured, and why (a naive measurement here gets a tenth of what the transport can do):
-- The ranks meet at a barrier before each timed allreduce, so a sample is the allreduce, not a wait for the
-  slower rank.
-- The input tensor is made once per size, outside the timing; ``.numpy()`` on a CPU tensor does not copy.
-- The first ``--warmup`` allreduces of each size are not timed (buffers, Horovod's response cache).
-Every sample of every size is kept, so the report can give min/median/max.
+The allreduces are timed by scalelab.allreduce_timing (a barrier before each, warmup untimed: a naive loop
+gets a tenth of what the transport can do). Every sample of every size is kept, so the report can give
+min/median/max.
 """
 
 import argparse
@@ -22,8 +19,8 @@ from pathlib import Path
 
 import horovod.tensorflow as hvd
 import numpy as np
-import tensorflow as tf
 
+from scalelab.allreduce_timing import barrier, time_allreduce
 from scalelab.comm import bus_bandwidth
 from scalelab.runtime import configure_threads
 
@@ -39,12 +36,6 @@ args = parser.parse_args()
 hvd.init()
 configure_threads(hvd.local_size())
 is_chief = hvd.rank() == 0
-
-
-def barrier(tag: str) -> None:
-    # Horovod: a tiny allreduce every rank must join; .numpy() waits for its result.
-    hvd.allreduce(tf.zeros(1), op=hvd.Sum, name=f"barrier_{tag}").numpy()
-
 
 memcpy_s = []
 largest = max(args.sizes)
@@ -62,18 +53,8 @@ barrier("after_memcpy")
 
 results = []
 for message_bytes in args.sizes:
-    tensor = tf.ones(message_bytes // 4, dtype=tf.float32)
-    samples = []
-    for repeat in range(args.warmup + args.repeats):
-        barrier(f"{message_bytes}_{repeat}")
-        start = time.perf_counter()
-        # Horovod: sum the tensor over all ranks; .numpy() returns once the result is here.
-        result = hvd.allreduce(tensor, op=hvd.Sum, name=f"allreduce_{message_bytes}").numpy()
-        elapsed = time.perf_counter() - start
-        if repeat >= args.warmup:
-            samples.append(elapsed)
-    if result[0] != hvd.size() or result[-1] != hvd.size():
-        raise SystemExit(f"allreduce of {message_bytes} bytes summed to {result[0]}, not {hvd.size()}")
+    # Horovod: every rank sums a float32 tensor of this size with the others, timed one allreduce at a time.
+    samples = time_allreduce(message_bytes, args.repeats, args.warmup)
     results.append({"message_bytes": message_bytes, "seconds": samples,
                     "bus_gb_per_s": [bus_bandwidth(message_bytes, s, hvd.size()) / 1e9 for s in samples]})
     if is_chief:

@@ -68,3 +68,34 @@ def class_grading_timeline(jobs: list[list[float]], slots: int, path: Path) -> P
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path
+
+
+def time_to_accuracy(calibration: dict, path: Path) -> Path:
+    """Validation accuracy vs training time of every reference run and of the baseline, with the track's
+    budget and target, and each run's held-out accuracy (the grader's) at its wall time."""
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    baseline = calibration["baseline"]
+    for index, run in enumerate(calibration["references"]):
+        times, accuracies = zip(*run["curve"]) if run["curve"] else ((), ())
+        axes.plot(times, accuracies, marker=".", color="tab:blue", alpha=0.6,
+                  label="reference solution, 2 ranks (validation)" if index == 0 else None)
+        axes.plot([run["wall_time_s"]], [run["heldout_accuracy"] or 0], marker="*", markersize=11, color="tab:blue",
+                  linestyle="none", label="reference: held-out accuracy at exit" if index == 0 else None)
+    if baseline["curve"]:
+        times, accuracies = zip(*baseline["curve"])
+        axes.plot(times, accuracies, marker=".", color="tab:red", label="serial baseline (validation)")
+    axes.plot([baseline["wall_time_s"]], [baseline["heldout_accuracy"] or 0], marker="*", markersize=11,
+              color="tab:red", linestyle="none", label=f"baseline at exit ({baseline['verdict']})")
+    if baseline.get("time_budget_s"):
+        axes.axvline(baseline["time_budget_s"], linestyle="--", color="grey", label="time budget")
+    if baseline.get("target_accuracy"):
+        axes.axhline(baseline["target_accuracy"], linestyle=":", color="black", label="target accuracy")
+    axes.set_xlabel("seconds (epoch lines: since training began; stars: the grader's launch-to-exit time)")
+    axes.set_ylabel("accuracy")
+    axes.set_title("Time to accuracy: reference solution vs serial baseline")
+    axes.legend(loc="lower right", fontsize=8)
+    axes.grid(True, alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,9 @@ from scalelab.environment import horovodrun_path
 SOURCE_CODE = Path(__file__).resolve().parents[1]
 COURSE_ROOT = SOURCE_CODE.parent
 BENCHMARKS = Path(__file__).resolve().parent
+
+
+RANK_PREFIX = re.compile(r"^\[[\d,]+\]<std(?:out|err)>:")
 
 
 class BenchmarkError(RuntimeError):
@@ -70,5 +74,22 @@ def run(argv: list[str], log: Path, *, env: dict | None = None, cwd: Path | None
     log.write_text(output)
     if process.returncode not in ok_exit_codes:
         raise BenchmarkError(f"{' '.join(map(str, argv))} exited with {process.returncode}; log {log}:\n"
-                             f"{output[-2000:]}")
+                             f"{first_error(output)}{output[-2000:]}")
     return Finished(wall_s, output, process.returncode)
+
+
+def first_error(output: str) -> str:
+    """The first Python traceback in ``output`` (a rank's, under horovodrun), with a separator after it; or ''.
+
+    horovodrun's own traceback ends the output and only says that a rank failed; the rank's error is earlier.
+    """
+    start = output.find("Traceback (most recent call last)")
+    if start < 0:
+        return ""
+    lines = output[start:].splitlines()
+    # The traceback ends at its first unindented line after the header (the exception itself), once the
+    # rank prefix horovodrun adds ("[0]<stderr>:", "[1,0]<stderr>:") is set aside.
+    bodies = [RANK_PREFIX.sub("", line) for line in lines]
+    end = next((i for i, body in enumerate(bodies[1:], 1) if body and not body[0].isspace()), len(lines) - 1)
+    return "\n".join(lines[:end + 1])[-3000:] + "\n...\n"
+

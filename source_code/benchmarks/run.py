@@ -6,7 +6,8 @@
 Writes OUT/report.json (every figure with its samples, and the environment), OUT/report.md (the table) and
 OUT/*.png, plus each measured program's log under OUT/logs/. A benchmark that fails leaves its figure
 "not measured" with the error, and the others still run. P4 is measured by the lead (a browser click on Assess):
-its figure is read from --p4-file when that file exists.
+its figure is read from --p4-file when that file exists. The time-to-accuracy plot is drawn from the runs of
+`scalelab calibrate --track cifar10-cpu` (--calibration), which trained the reference and the baseline already.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import traceback
 from pathlib import Path
 
 from scalelab import environment
+from scalelab.grader import store
 from scalelab.runtime import usable_cores
 
-from . import bandwidth, class_grading, grader_overhead, plots, report, training
+from . import bandwidth, class_grading, grader_overhead, plots, report, time_to_accuracy, training
 from .summary import not_measured, spread
 
 STAGES = ("bandwidth", "training", "grader", "class")
@@ -68,6 +70,9 @@ def main(argv=None) -> int:
                         help="also keep stages from this earlier report.json (repeatable; its plots are copied)")
     parser.add_argument("--p4-file", type=Path, default=None,
                         help="P4's measurements (default: OUT/p4_click_to_verdict.json)")
+    parser.add_argument("--calibration", type=Path, default=None,
+                        help="a `scalelab calibrate --out` directory for the time-to-accuracy plot "
+                             "(default: $SCALELAB_HOME/calibration/cifar10-cpu)")
     args = parser.parse_args(argv)
     stages = [stage.strip() for stage in args.only.split(",") if stage.strip()]
     unknown = sorted(set(stages) - set(STAGES))
@@ -180,6 +185,12 @@ def main(argv=None) -> int:
     stage("grader", run_grader)
     stage("class", run_class)
     figures["P4"] = p4_from_file(args.p4_file or out / "p4_click_to_verdict.json")
+    calibration_dir = args.calibration or store.scalelab_home() / "calibration" / "cifar10-cpu"
+    try:
+        details["time_to_accuracy"] = time_to_accuracy.read_calibration(calibration_dir)
+        plot_files.append(plots.time_to_accuracy(details["time_to_accuracy"], out / "time_to_accuracy.png").name)
+    except FileNotFoundError as missing:
+        notes.append(f"time-to-accuracy plot not drawn: {missing}")
 
     env = environment.describe()
     env.update(mpi=environment.mpi_implementation(),

@@ -1,0 +1,42 @@
+"""Timing Horovod's allreduce fairly: used by lab 4's bandwidth sweep and by the P6 benchmark.
+
+A naive timing loop measures the wrong thing on shared cores: the faster rank's clock also counts its wait for
+the slower rank's previous iteration. So the ranks meet at a barrier before each timed allreduce, the tensor
+is made once outside the timing, and the first allreduces of each size (buffers, Horovod's response cache)
+are not timed. Call after ``hvd.init()``, on every rank, with the same arguments.
+"""
+
+from __future__ import annotations
+
+import time
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+
+def barrier(tag: str) -> None:
+    """Return once every rank got here: a one-element allreduce every rank must join (``tag`` names it)."""
+    hvd.allreduce(tf.zeros(1), op=hvd.Sum, name=f"barrier_{tag}").numpy()
+
+
+def time_allreduce(message_bytes: int, repeats: int, warmup: int = 2) -> list[float]:
+    """Seconds of each of ``repeats`` timed allreduces (sums) of a float32 tensor of ``message_bytes`` bytes.
+
+    ``warmup`` untimed allreduces come first. Raises ``RuntimeError`` if the sum is not the number of ranks
+    (every rank contributes ones), i.e. if the ranks did not really reduce together.
+    """
+    if message_bytes < 4 or repeats < 1 or warmup < 0:
+        raise ValueError("need message_bytes >= 4, repeats >= 1 and warmup >= 0")
+    tensor = tf.ones(message_bytes // 4, dtype=tf.float32)
+    samples = []
+    for repeat in range(warmup + repeats):
+        barrier(f"{message_bytes}_{repeat}")
+        start = time.perf_counter()
+        # .numpy() returns only once the reduced tensor is here: without it the op would just be queued.
+        result = hvd.allreduce(tensor, op=hvd.Sum, name=f"allreduce_{message_bytes}").numpy()
+        elapsed = time.perf_counter() - start
+        if repeat >= warmup:
+            samples.append(elapsed)
+    if result[0] != hvd.size() or result[-1] != hvd.size():
+        raise RuntimeError(f"allreduce of {message_bytes} bytes summed to {result[0]}, not {hvd.size()}")
+    return samples

@@ -1,0 +1,117 @@
+"""What the lab tests share: executing a notebook with small settings, reading its outputs, generating nbgrader's
+student release in a copy of the course, validating, and running a quiz's grading cells with chosen answers."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import NamedTuple
+
+import nbformat
+import papermill
+import pytest
+from nbclient import NotebookClient
+from nbformat.v4 import new_code_cell, new_notebook
+from nbgrader.validator import Validator
+
+from conftest import PROJECT_ROOT, VENV_BIN, subprocess_env
+
+LABS = PROJECT_ROOT / "labs"
+# What nbgrader writes into a course directory; a copy of the course starts without any of it.
+NBGRADER_OUTPUTS = ("release", "submitted", "autograded", "feedback", "gradebook.db", ".ipynb_checkpoints")
+
+
+class Outputs(NamedTuple):
+    text: str          # everything printed to stdout
+    html: list[str]    # HTML outputs (tables)
+    images: int        # image outputs (plots)
+    errors: list[str]  # "Name: message" of each error output
+
+
+@contextlib.contextmanager
+def course_environment():
+    """The environment a student's kernel has: the venv's tools on PATH, not inside nbgrader's autograder."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in subprocess_env().items():
+            patch.setenv(name, value)
+        patch.delenv("NBGRADER_EXECUTION", raising=False)
+        yield
+
+
+def execute(notebook: Path, workdir: Path, parameters: dict) -> nbformat.NotebookNode:
+    """Run ``notebook`` with papermill in ``workdir`` with the given parameters; return the executed notebook."""
+    executed = workdir / f"{notebook.stem}_executed.ipynb"
+    with course_environment():
+        papermill.execute_notebook(str(notebook), str(executed), parameters=parameters, kernel_name="python3",
+                                   cwd=str(workdir), progress_bar=False)
+    return nbformat.read(executed, as_version=4)
+
+
+def outputs_of(notebook_or_cell: nbformat.NotebookNode) -> Outputs:
+    """The outputs of a whole executed notebook, or of one of its cells."""
+    cells = notebook_or_cell.cells if "cells" in notebook_or_cell else [notebook_or_cell]
+    text, html, images, errors = [], [], 0, []
+    for cell in cells:
+        for output in cell.get("outputs", []):
+            if output.output_type == "stream" and output.name == "stdout":
+                text.append(output.text)
+            elif output.output_type in ("display_data", "execute_result"):
+                if "text/html" in output.data:
+                    html.append(output.data["text/html"])
+                images += "image/png" in output.data
+            elif output.output_type == "error":
+                errors.append(f"{output.ename}: {output.evalue}")
+    return Outputs("".join(text), html, images, errors)
+
+
+def code_cell_containing(notebook: nbformat.NotebookNode, fragment: str) -> nbformat.NotebookNode:
+    matches = [cell for cell in notebook.cells if cell.cell_type == "code" and fragment in cell.source]
+    assert len(matches) == 1, f"expected one code cell containing {fragment!r}, found {len(matches)}"
+    return matches[0]
+
+
+def released_course(tmp_path_factory, assignment: str) -> Path:
+    """A temporary copy of the course directory in which `nbgrader generate_assignment ASSIGNMENT` has run."""
+    if not (LABS / "nbgrader_config.py").is_file():
+        pytest.fail("labs/nbgrader_config.py is missing: the nbgrader course configuration must exist")
+    course = tmp_path_factory.mktemp("course") / "labs"
+    shutil.copytree(LABS, course, ignore=shutil.ignore_patterns(*NBGRADER_OUTPUTS))
+    result = subprocess.run([str(VENV_BIN / "nbgrader"), "generate_assignment", assignment, "--force"], cwd=course,
+                            capture_output=True, text=True, env=subprocess_env(), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return course
+
+
+def validate(notebook: Path) -> dict:
+    """nbgrader's validation of a notebook: {} when every graded cell passes."""
+    with course_environment():
+        return Validator().validate(str(notebook))
+
+
+def run_quiz(notebook: nbformat.NotebookNode, answers: dict[str, str], questions: int) -> None:
+    """Execute the quiz's grading cells (hidden tests included) after a cell that sets ``answers``; a wrong
+    answer raises nbclient's CellExecutionError carrying the test's explanation."""
+    tests = [cell.source for cell in notebook.cells
+             if cell.metadata.get("nbgrader", {}).get("grade_id", "").startswith("q")
+             and cell.metadata["nbgrader"].get("grade")]
+    assert len(tests) == questions
+    setup = "\n".join(f"{name} = {value}" for name, value in answers.items())
+    cells = [new_code_cell(setup)] + [new_code_cell(source) for source in tests]
+    NotebookClient(new_notebook(cells=cells), kernel_name="python3").execute()
+
+
+def check_committed_source(notebook_path: Path, parameters: dict) -> nbformat.NotebookNode:
+    """The source notebook is committed without outputs, has one papermill parameters cell setting every name the
+    tests shrink, and says at its top how long it takes on 2 CPU cores."""
+    notebook = nbformat.read(notebook_path, as_version=4)
+    assert all(not cell.get("outputs") and cell.get("execution_count") is None
+               for cell in notebook.cells if cell.cell_type == "code")
+    parameter_cells = [cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", [])]
+    assert len(parameter_cells) == 1
+    for name in parameters:
+        assert re.search(rf"^{name} = ", parameter_cells[0].source, re.MULTILINE), name
+    assert notebook.cells[0].cell_type == "markdown" and "2 CPU cores" in notebook.cells[0].source
+    return notebook

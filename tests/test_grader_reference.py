@@ -1,0 +1,35 @@
+"""On the real cifar10-cpu track (real subset, 2 ranks, the track's own budget and target): the reference
+solution passes.
+
+That the unmodified serial assessment fails this track is recorded by `scalelab calibrate` in tracks.toml (checked
+by test_grader_spec.py); CI runs the baseline through the grader on a short track instead (test_slurm.py), since
+on cifar10-cpu it only ends at the 300 s budget."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import subprocess_env
+from scalelab.grader import spec
+
+ASSESSMENT = spec.COURSE_ROOT / "assessment"
+pytestmark = pytest.mark.slow
+
+
+def assess(tmp_path: Path, submission: Path) -> tuple[int, dict]:
+    track = spec.load_track("cifar10-cpu")
+    done = subprocess.run([sys.executable, "-m", "scalelab.cli", "assess", str(submission), "--json",
+                           "--track", "cifar10-cpu", "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=track.time_budget_s + track.grace_s + 900,
+                          env=subprocess_env(SCALELAB_HOME=str(tmp_path / "home")))
+    return done.returncode, json.loads(done.stdout)
+
+
+def test_reference_solution_passes_cifar10_cpu(tmp_path, cifar10_dir):
+    code, verdict = assess(tmp_path, ASSESSMENT / "solution" / "assessment.py")
+    assert (code, verdict["verdict"]) == (0, "pass"), verdict["reasons"]
+    assert verdict["ranks_seen"] == [0, 1] and verdict["allreduced_tensors"] >= verdict["trainable_variables"]
+    assert verdict["heldout_accuracy"] >= verdict["target_accuracy"]

@@ -1,0 +1,98 @@
+"""Lab 2 (Fashion-MNIST and the batch size): the solved notebook trains the course network with small settings,
+draws the img/s bar chart from a real sweep, fills the time-to-accuracy table from real runs, and nbgrader's
+student release keeps the exercises unsolved (validation fails) while the solved source validates."""
+
+from __future__ import annotations
+
+import re
+
+import nbformat
+import pytest
+
+import labtools
+from labtools import LABS, code_cell_containing, execute, outputs_of, validate
+
+SOURCE_NOTEBOOK = LABS / "source" / "lab2" / "lab2_batch_size.ipynb"
+SMALL_SETTINGS = dict(TRAIN_IMAGES=2048, VAL_IMAGES=512, SWEEP_BATCH_SIZES=[32, 128], SWEEP_IMAGES=1024,
+                      TTA_BATCH_SIZES=[32, 128], TARGET_ACCURACY=0.6, MAX_EPOCHS=3)
+
+
+@pytest.fixture(scope="module")
+def executed_lab2(tmp_path_factory):
+    return execute(SOURCE_NOTEBOOK, tmp_path_factory.mktemp("lab2"), SMALL_SETTINGS)
+
+
+def test_lab2_source_is_committed_without_outputs_and_with_a_parameters_cell():
+    notebook = labtools.check_committed_source(SOURCE_NOTEBOOK, SMALL_SETTINGS)
+    assert "What you learn" in notebook.cells[0].source
+
+
+def test_lab2_uses_the_course_library_rather_than_its_own_training_code():
+    code = "\n".join(cell.source for cell in nbformat.read(SOURCE_NOTEBOOK, as_version=4).cells
+                     if cell.cell_type == "code")
+    for name in ("load_fashion_mnist", "small_cnn", "Throughput", "StopAtAccuracy", "TotalTime"):
+        assert re.search(rf"^from scalelab\.\w+ import .*\b{name}\b", code, re.MULTILINE), name
+    assert "class " not in code and "GradientTape" not in code
+
+
+@pytest.mark.slow
+def test_lab2_runs_without_errors(executed_lab2):
+    errors = [error for cell in executed_lab2.cells for error in outputs_of(cell)[3]]
+    assert errors == []
+
+
+@pytest.mark.slow
+def test_lab2_sweeps_the_batch_size_and_draws_the_images_per_second_bar_chart(executed_lab2):
+    text, _, _, _ = outputs_of(code_cell_containing(executed_lab2, "for batch_size in SWEEP_BATCH_SIZES"))
+    measured = {int(batch): float(rate) for batch, rate in re.findall(r"batch +(\d+): +\d+ steps per epoch, "
+                                                                      r"img/s ([\d.]+)", text)}
+    assert sorted(measured) == SMALL_SETTINGS["SWEEP_BATCH_SIZES"], text
+    assert all(rate > 0 for rate in measured.values())
+    _, _, images, _ = outputs_of(code_cell_containing(executed_lab2, "axis.bar("))
+    assert images == 1, "the throughput bar chart is missing"
+
+
+@pytest.mark.slow
+def test_lab2_fills_the_time_to_accuracy_table_from_real_runs(executed_lab2):
+    text, html, images, _ = outputs_of(code_cell_containing(executed_lab2, "axhline(TARGET_ACCURACY"))
+    assert images == 1, "the accuracy-against-time plot is missing"
+    tables = [fragment for fragment in html if "time to 60% validation accuracy" in fragment]
+    assert len(tables) == 1, html
+    rows = re.findall(r"<tr><td>(\d+)</td><td>([\d.]+)</td><td>(\d+)</td><td>(\d+)</td><td>([\d.]+)</td>"
+                      r"<td>([^<]+)</td></tr>", tables[0])
+    assert [int(row[0]) for row in rows] == SMALL_SETTINGS["TTA_BATCH_SIZES"]
+    for batch, peak_lr, images_per_s, epochs, accuracy, seconds in rows:
+        assert abs(float(peak_lr) - 0.01 * int(batch) / 32) < 1e-6, "the learning rate scales linearly"
+        assert int(images_per_s) > 0 and 1 <= int(epochs) <= SMALL_SETTINGS["MAX_EPOCHS"]
+        assert 0 < float(accuracy) <= 1
+        reached = seconds != "not reached"
+        # A run stops early only at the target; one that never reached it used every epoch.
+        assert reached == (float(accuracy) >= SMALL_SETTINGS["TARGET_ACCURACY"])
+        assert reached or int(epochs) == SMALL_SETTINGS["MAX_EPOCHS"]
+        assert not reached or float(seconds) > 0
+    printed, _, _, _ = outputs_of(code_cell_containing(executed_lab2, "best = fastest_batch_size("))
+    assert re.search(r"fastest to 60% validation accuracy: batch (32|128)\b|no batch size reached", printed), printed
+    # Every time-to-accuracy epoch printed the course's one line, with throughput and elapsed time.
+    epoch_text, _, _, _ = outputs_of(code_cell_containing(executed_lab2, "for batch_size in TTA_BATCH_SIZES"))
+    assert re.search(r"epoch 1/3 .*val_accuracy [\d.]+ .*img/s \d+ +elapsed [\d.]+ s", epoch_text), epoch_text
+
+
+@pytest.fixture(scope="module")
+def released_course(tmp_path_factory):
+    return labtools.released_course(tmp_path_factory, "lab2")
+
+
+def test_lab2_release_has_no_solutions_and_its_exercises_fail_validation(released_course):
+    released = released_course / "release" / "lab2" / "lab2_batch_size.ipynb"
+    text = released.read_text()
+    assert "### BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
+    assert text.count("raise NotImplementedError") == 2
+    results = validate(released)
+    failed_cells = [failure["source"] for failure in results.get("failed", [])]
+    assert len(failed_cells) == 2, results.keys()
+    assert "images_per_second(" in failed_cells[0] and "fastest_batch_size(" in failed_cells[1]
+
+
+@pytest.mark.slow
+def test_lab2_solved_source_passes_validation(released_course):
+    assert validate(released_course / "source" / "lab2" / "lab2_batch_size.ipynb") == {}

@@ -1,0 +1,106 @@
+"""Lab 5 (large-batch training): the solved notebook runs end to end on real CIFAR-10 and Fashion-MNIST with small
+settings, its quiz explains wrong answers, and nbgrader's student release fails validation while the source passes."""
+
+from __future__ import annotations
+
+import csv
+import re
+
+import nbformat
+import pytest
+from nbclient.exceptions import CellExecutionError
+
+import labtools
+from labtools import LABS, execute, outputs_of, run_quiz, validate
+
+SOURCE_NOTEBOOK = LABS / "source" / "lab5" / "lab5_large_batch.ipynb"
+# One rung (LAMB), plus the notebook's ghost-batch-norm run of the warmup rung (SGD), keeps the smoke test within
+# two minutes; the full-settings run, timed by hand, trains every rung.
+LADDER = ["lamb"]
+SMALL_SETTINGS = dict(DATA_IMAGES=256, NOISE_BATCH_SIZES=[16, 128], NOISE_REPEATS=2, FASHION_IMAGES=512,
+                      PHASE_EPOCHS=1, LADDER_VARIANTS=LADDER, LADDER_EPOCHS=2, LADDER_BATCH_SIZE=128,
+                      LADDER_TRAIN_IMAGES=256, LADDER_VAL_IMAGES=128, LADDER_NP=1, GHOST_BATCH_SIZE=32)
+QUIZ_ANSWERS = {"answer_linear_scaling": '"c"', "answer_warmup": '"b"',
+                "answer_high_training_error": '{"a", "c", "e"}', "answer_high_validation_error": '{"b", "c", "d"}'}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def executed_lab5(tmp_path_factory, cifar10_dir):
+    workdir = tmp_path_factory.mktemp("lab5")
+    return execute(SOURCE_NOTEBOOK, workdir, SMALL_SETTINGS), workdir
+
+
+def test_lab5_source_is_committed_without_outputs_and_with_a_parameters_cell():
+    labtools.check_committed_source(SOURCE_NOTEBOOK, SMALL_SETTINGS)
+
+
+def test_lab5_runs_without_errors_and_draws_its_plots(executed_lab5):
+    text, _, images, errors = outputs_of(executed_lab5[0])
+    assert errors == []
+    # sharp/flat, scaling rules, warmup, gradient noise, batch schedules, LARS trust ratios, accuracy vs time
+    assert images >= 7
+    assert re.search(r"estimated gradient noise scale: -?\d+ images", text)
+    assert re.search(r"decay the learning rate: held-out accuracy 0\.\d{4} in 24 steps", text)
+    assert re.search(r"increase the batch size: held-out accuracy 0\.\d{4} in 11 steps", text)
+
+
+def test_lab5_logs_both_batch_schedules_to_csv_per_phase(executed_lab5):
+    _, workdir = executed_lab5
+    # 512 images: 8 steps per phase at batch 64; then ceil(512 / 320) = 2 and 1 step at batches 320 and 1600.
+    for name, batch_sizes, steps in (("decay_the_learning_rate", ["64", "64", "64"], ["8", "16", "24"]),
+                                     ("increase_the_batch_size", ["64", "320", "1600"], ["8", "10", "11"])):
+        with (workdir / "lab5_runs" / f"{name}.csv").open() as handle:
+            rows = list(csv.DictReader(handle))
+        assert [row["batch_size"] for row in rows] == batch_sizes
+        assert [row["steps"] for row in rows] == steps
+        elapsed = [float(row["elapsed_s"]) for row in rows]
+        assert elapsed == sorted(elapsed) and elapsed[0] > 0
+        assert all(0 <= float(row["val_accuracy"]) <= 1 for row in rows)
+
+
+def test_lab5_ladder_runs_every_variant_and_fills_the_table_from_its_csv_logs(executed_lab5):
+    notebook, workdir = executed_lab5
+    text, html, _, _ = outputs_of(notebook)
+    for variant in LADDER:
+        assert re.search(rf"^variant {variant}: ", text, re.MULTILINE), variant
+        csv_log = workdir / "lab5_runs" / f"{variant}.csv"
+        assert len(csv_log.read_text().splitlines()) == 1 + SMALL_SETTINGS["LADDER_EPOCHS"]
+    assert (workdir / "lab5_runs" / "warmup_ghost_bn.csv").is_file()
+    tables = [fragment for fragment in html if "final val_accuracy" in fragment]
+    assert len(tables) == 1
+    rows = re.findall(r"<tr><td>([^<]+)</td><td>(0\.\d{4})</td><td>(0\.\d{4})</td><td>(\d+)</td><td>(\d+)</td></tr>",
+                      tables[0])
+    assert [row[0] for row in rows] == LADDER + ["warmup + ghost BN"]
+    assert all(int(row[4]) > 0 for row in rows)
+
+
+def test_lab5_quiz_accepts_the_right_answers_and_explains_wrong_ones():
+    source = nbformat.read(SOURCE_NOTEBOOK, as_version=4)
+    run_quiz(source, QUIZ_ANSWERS, questions=4)
+
+    wrong = dict(QUIZ_ANSWERS, answer_linear_scaling='"b"')
+    with pytest.raises(CellExecutionError, match=r"square-root rule"):
+        run_quiz(source, wrong, questions=4)
+    wrong = dict(QUIZ_ANSWERS, answer_high_validation_error='{"a", "e"}')
+    with pytest.raises(CellExecutionError, match=r"overfitting"):
+        run_quiz(source, wrong, questions=4)
+
+
+@pytest.fixture(scope="module")
+def released_course(tmp_path_factory):
+    return labtools.released_course(tmp_path_factory, "lab5")
+
+
+def test_lab5_release_has_no_solutions_and_fails_validation(released_course, cifar10_dir):
+    released = released_course / "release" / "lab5" / "lab5_large_batch.ipynb"
+    text = released.read_text()
+    assert "### BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
+    results = validate(released)
+    # three exercises and four quiz questions, each unanswered
+    assert len(results.get("failed", [])) == 7, results.keys()
+
+
+def test_lab5_solved_source_passes_validation(released_course, cifar10_dir):
+    assert validate(released_course / "source" / "lab5" / "lab5_large_batch.ipynb") == {}
