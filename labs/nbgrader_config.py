@@ -15,3 +15,15 @@ c.GenerateFeedback.preprocessors = [
     "nbgrader.preprocessors.ClearHiddenTests",
     "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor",
 ]
+
+# Autograding runs each notebook without a browser; scalelab.headless.Execute is nbgrader's Execute with a kernel
+# client that does not hang when a wake-up from the kernel's socket is missed (lab 1's slider triggers it).
+c.Autograde.autograde_preprocessors = [
+    "scalelab.headless.Execute",
+    "nbgrader.preprocessors.IgnorePattern",
+    "nbconvert.preprocessors.ClearMetadataPreprocessor",
+    "nbgrader.preprocessors.LimitOutput",
+    "nbgrader.preprocessors.SaveAutoGrades",
+    "nbgrader.preprocessors.AssignLatePenalties",
+    "nbgrader.preprocessors.CheckCellMetadata",
+]

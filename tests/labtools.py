@@ -15,13 +15,19 @@ import papermill
 import pytest
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_notebook
+from nbgrader.api import Gradebook
+from nbgrader.preprocessors import CheckCellMetadata, ClearOutput
 from nbgrader.validator import Validator
+from scalelab import headless
 
 from conftest import PROJECT_ROOT, VENV_BIN, subprocess_env
 
 LABS = PROJECT_ROOT / "labs"
 # What nbgrader writes into a course directory; a copy of the course starts without any of it.
 NBGRADER_OUTPUTS = ("release", "submitted", "autograded", "feedback", "gradebook.db", ".ipynb_checkpoints")
+# No cell of a lab runs this long with the tests' small settings; a cell that does is reported as hung, by name,
+# before pytest-timeout stops the whole test.
+CELL_TIMEOUT_S = 600
 
 
 class Outputs(NamedTuple):
@@ -46,7 +52,8 @@ def execute(notebook: Path, workdir: Path, parameters: dict) -> nbformat.Noteboo
     executed = workdir / f"{notebook.stem}_executed.ipynb"
     with course_environment():
         papermill.execute_notebook(str(notebook), str(executed), parameters=parameters, kernel_name="python3",
-                                   cwd=str(workdir), progress_bar=False)
+                                   cwd=str(workdir), progress_bar=False, execution_timeout=CELL_TIMEOUT_S,
+                                   kernel_manager_class=headless.PollingKernelManager)
     return nbformat.read(executed, as_version=4)
 
 
@@ -85,10 +92,26 @@ def released_course(tmp_path_factory, assignment: str) -> Path:
     return course
 
 
+def autograde(course: Path, assignment: str, student: str, notebook: Path) -> tuple[float, float]:
+    """Submit ``notebook`` as ``student``'s work on ``assignment`` in a released course, run `nbgrader autograde`
+    with the course's configuration, and return the (score, max_score) it stored in the gradebook."""
+    submitted = course / "submitted" / student / assignment
+    submitted.mkdir(parents=True)
+    shutil.copy(notebook, submitted / notebook.name)
+    result = subprocess.run([str(VENV_BIN / "nbgrader"), "autograde", assignment, "--student", student, "--create"],
+                            cwd=course, capture_output=True, text=True, env=subprocess_env(), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}", course_id="scalelab") as gradebook:
+        submission = gradebook.find_submission(assignment, student)
+        return submission.score, submission.max_score
+
+
 def validate(notebook: Path) -> dict:
     """nbgrader's validation of a notebook: {} when every graded cell passes."""
     with course_environment():
-        return Validator().validate(str(notebook))
+        # nbgrader's own list, with the Execute that survives a missed wake-up (see scalelab.headless).
+        validator = Validator(preprocessors=[CheckCellMetadata, ClearOutput, headless.Execute])
+        return validator.validate(str(notebook))
 
 
 def run_quiz(notebook: nbformat.NotebookNode, answers: dict[str, str], questions: int) -> None:
@@ -100,7 +123,8 @@ def run_quiz(notebook: nbformat.NotebookNode, answers: dict[str, str], questions
     assert len(tests) == questions
     setup = "\n".join(f"{name} = {value}" for name, value in answers.items())
     cells = [new_code_cell(setup)] + [new_code_cell(source) for source in tests]
-    NotebookClient(new_notebook(cells=cells), kernel_name="python3").execute()
+    NotebookClient(new_notebook(cells=cells), kernel_name="python3",
+                   kernel_manager_class=headless.PollingKernelManager).execute()
 
 
 def check_committed_source(notebook_path: Path, parameters: dict) -> nbformat.NotebookNode:

@@ -1,6 +1,7 @@
 """Lab 1 (gradient descent, SGD, minibatches): the solved notebook runs with small settings and draws its plots,
-every method ends near the line it fits, the sliders come with the drawn path, and nbgrader's student release keeps the
-exercises unsolved (validation fails) while the solved source validates."""
+every method ends near the line it fits, moving the sliders redraws the path, and nbgrader's student release keeps the
+exercises unsolved (validation fails, autograde scores nothing) while the solved source validates and scores full
+marks."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 
 import nbformat
 import pytest
+from nbformat.v4 import new_code_cell
 
 import labtools
 from labtools import LABS, code_cell_containing, execute, outputs_of, validate
@@ -18,9 +20,23 @@ SMALL_SETTINGS = dict(NUM_POINTS=500, MAX_EPOCHS=300)
 BATCH_SIZES = [16, 32, 64, 128]
 
 
+# Appended to a copy of the notebook: sets the sliders' values as the browser does when a student lets go of them
+# (a change of each slider's `value`), after the explorer was drawn with its defaults.
+MOVE_THE_SLIDERS = """
+sliders = {control.description: control for control in explorer.kwargs_widgets}
+sliders["learning rate"].value = 0.01
+sliders["batch size"].value = 1
+"""
+
+
 @pytest.fixture(scope="module")
 def executed_lab1(tmp_path_factory):
-    return execute(SOURCE_NOTEBOOK, tmp_path_factory.mktemp("lab1"), SMALL_SETTINGS)
+    workdir = tmp_path_factory.mktemp("lab1")
+    notebook = nbformat.read(SOURCE_NOTEBOOK, as_version=4)
+    notebook.cells.append(new_code_cell(MOVE_THE_SLIDERS))
+    with_slider_moves = workdir / SOURCE_NOTEBOOK.name
+    nbformat.write(notebook, with_slider_moves)
+    return execute(with_slider_moves, workdir, SMALL_SETTINGS)
 
 
 def test_lab1_source_is_committed_without_outputs_and_with_a_parameters_cell():
@@ -64,21 +80,23 @@ def test_lab1_every_method_ends_near_w10_b2_with_a_partial_last_minibatch(execut
 
 
 @pytest.mark.slow
-def test_lab1_sliders_for_learning_rate_and_batch_size_drive_the_path_plot(executed_lab1):
+def test_lab1_moving_the_learning_rate_and_batch_size_sliders_redraws_the_path(executed_lab1):
     # The executed notebook keeps its widgets' state: the two sliders and the Output widget that interactive()
-    # redraws into. (Moving a slider from a second cell in the same kernel deadlocked nbclient once in two runs,
-    # so the redraw on a move is not exercised here.)
+    # redraws into, which after the moves holds the path for learning rate 0.01 and batch 1.
     widget_state = executed_lab1.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
     models = list(widget_state.values())
     sliders = {model["state"].get("description"): model["state"] for model in models
                if model["model_name"] in ("FloatLogSliderModel", "SelectionSliderModel")}
     assert set(sliders) == {"learning rate", "batch size"}
     assert sliders["batch size"]["_options_labels"] == ["1", *map(str, BATCH_SIZES), str(SMALL_SETTINGS["NUM_POINTS"])]
+    assert sliders["batch size"]["index"] == 0 and sliders["learning rate"]["value"] == pytest.approx(0.01)
     outputs = [output for model in models if model["model_name"] == "OutputModel"
                for output in model["state"].get("outputs", [])]
     printed = "".join(output.get("text", "") for output in outputs if output.get("output_type") == "stream")
-    assert re.search(r"lr 0\.1, batch 128: \d+ updates, loss [\d.]+, ends at w = [\d.-]+, b = [\d.-]+", printed), printed
-    assert any("image/png" in output.get("data", {}) for output in outputs), "the path plot is missing"
+    # 500 points in batches of 1 for 5 epochs: 2,500 updates; only the last redraw is left in the Output widget.
+    assert re.fullmatch(r"lr 0\.01, batch 1: 2500 updates, loss [\d.]+, ends at w = [\d.-]+, b = [\d.-]+\n", printed), \
+        printed
+    assert sum("image/png" in output.get("data", {}) for output in outputs) == 1, "the redrawn path is not plotted"
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +120,13 @@ def test_lab1_release_has_no_solutions_and_its_exercises_fail_validation(release
 @pytest.mark.slow
 def test_lab1_solved_source_passes_validation(released_course):
     assert validate(released_course / "source" / "lab1" / "lab1_gradient_descent.ipynb") == {}
+
+
+@pytest.mark.slow
+def test_lab1_autograded_by_nbgrader_scores_the_solved_notebook_full_marks_and_the_release_none(released_course):
+    # nbgrader autograde runs the notebooks headless with the course's configuration (scalelab.headless.Execute).
+    name = SOURCE_NOTEBOOK.name
+    solved = labtools.autograde(released_course, "lab1", "solver", released_course / "source" / "lab1" / name)
+    untouched = labtools.autograde(released_course, "lab1", "idler", released_course / "release" / "lab1" / name)
+    assert solved[1] > 0 and solved == (solved[1], solved[1])
+    assert untouched == (0, solved[1])
