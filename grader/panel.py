@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import html
 import io
-import json
 import os
 import threading
 import time
@@ -292,7 +291,7 @@ class AssessPanel(widgets.VBox):
         self.progress.description = f"{self.progress.value:.0f}/{budget:.0f} s"
         self.progress.bar_style = {"done": "success", "interrupted": "warning"}.get((job or {}).get("state"), "info")
         history = (job or {}).get("progress_history") or []
-        plotted = (json.dumps(history, sort_keys=True), budget, self.service_info.get("target_accuracy"))
+        plotted = (history, budget, self.service_info.get("target_accuracy"))
         if plotted != self._plotted:
             self._plotted = plotted
             png = accuracy_plot_png(history, budget, self.service_info.get("target_accuracy"))

@@ -2,6 +2,10 @@
 
 import os
 
+from nbgrader.converters import Autograde
+
+from scalelab.headless import with_polling_execute
+
 c = get_config()  # noqa: F821 — provided by nbgrader when it loads this file
 
 course_root = os.path.dirname(os.path.abspath(__file__))
@@ -16,14 +20,7 @@ c.GenerateFeedback.preprocessors = [
     "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor",
 ]
 
-# Autograding runs each notebook without a browser; scalelab.headless.Execute is nbgrader's Execute with a kernel
-# client that does not hang when a wake-up from the kernel's socket is missed (lab 1's slider triggers it).
-c.Autograde.autograde_preprocessors = [
-    "scalelab.headless.Execute",
-    "nbgrader.preprocessors.IgnorePattern",
-    "nbconvert.preprocessors.ClearMetadataPreprocessor",
-    "nbgrader.preprocessors.LimitOutput",
-    "nbgrader.preprocessors.SaveAutoGrades",
-    "nbgrader.preprocessors.AssignLatePenalties",
-    "nbgrader.preprocessors.CheckCellMetadata",
-]
+# Autograding runs each notebook without a browser: nbgrader's own steps, with its Execute swapped for one whose
+# kernel client does not hang when a wake-up from the kernel's socket is lost (lab 1's slider triggers it).
+c.Autograde.autograde_preprocessors = with_polling_execute(
+    Autograde.class_traits()["autograde_preprocessors"].default())

@@ -16,7 +16,6 @@ import pytest
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_notebook
 from nbgrader.api import Gradebook
-from nbgrader.preprocessors import CheckCellMetadata, ClearOutput
 from nbgrader.validator import Validator
 from scalelab import headless
 
@@ -86,10 +85,16 @@ def released_course(tmp_path_factory, assignment: str) -> Path:
         pytest.fail("labs/nbgrader_config.py is missing: the nbgrader course configuration must exist")
     course = tmp_path_factory.mktemp("course") / "labs"
     shutil.copytree(LABS, course, ignore=shutil.ignore_patterns(*NBGRADER_OUTPUTS))
-    result = subprocess.run([str(VENV_BIN / "nbgrader"), "generate_assignment", assignment, "--force"], cwd=course,
-                            capture_output=True, text=True, env=subprocess_env(), timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    nbgrader("generate_assignment", assignment, "--force", course=course, timeout=600)
     return course
+
+
+def nbgrader(*args: str, course: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Runs the real `nbgrader` command in the course directory (where nbgrader_config.py is) and checks it worked."""
+    result = subprocess.run([str(VENV_BIN / "nbgrader"), *args], cwd=course, capture_output=True, text=True,
+                            env=subprocess_env(), timeout=timeout)
+    assert result.returncode == 0, f"nbgrader {' '.join(args)} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+    return result
 
 
 def autograde(course: Path, assignment: str, student: str, notebook: Path) -> tuple[float, float]:
@@ -98,9 +103,7 @@ def autograde(course: Path, assignment: str, student: str, notebook: Path) -> tu
     submitted = course / "submitted" / student / assignment
     submitted.mkdir(parents=True)
     shutil.copy(notebook, submitted / notebook.name)
-    result = subprocess.run([str(VENV_BIN / "nbgrader"), "autograde", assignment, "--student", student, "--create"],
-                            cwd=course, capture_output=True, text=True, env=subprocess_env(), timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    nbgrader("autograde", assignment, "--student", student, "--create", course=course, timeout=600)
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}", course_id="scalelab") as gradebook:
         submission = gradebook.find_submission(assignment, student)
         return submission.score, submission.max_score
@@ -109,9 +112,9 @@ def autograde(course: Path, assignment: str, student: str, notebook: Path) -> tu
 def validate(notebook: Path) -> dict:
     """nbgrader's validation of a notebook: {} when every graded cell passes."""
     with course_environment():
-        # nbgrader's own list, with the Execute that survives a missed wake-up (see scalelab.headless).
-        validator = Validator(preprocessors=[CheckCellMetadata, ClearOutput, headless.Execute])
-        return validator.validate(str(notebook))
+        # nbgrader's own steps, with the Execute that survives a lost wake-up (see scalelab.headless).
+        steps = headless.with_polling_execute(Validator.class_traits()["preprocessors"].default())
+        return Validator(preprocessors=steps).validate(str(notebook))
 
 
 def run_quiz(notebook: nbformat.NotebookNode, answers: dict[str, str], questions: int) -> None:

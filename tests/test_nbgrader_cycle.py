@@ -15,6 +15,7 @@ import pytest
 from nbgrader.api import Gradebook
 
 from conftest import PROJECT_ROOT, VENV_BIN, subprocess_env
+from labtools import nbgrader
 
 LABS = PROJECT_ROOT / "labs"
 QUIZ = "quiz"
@@ -29,14 +30,6 @@ RIGHT_ANSWERS = {1: {"a", "b", "e"}, 2: "b", 3: {"a", "b", "d"}, 4: "c", 5: {"a"
 MIXED_ANSWERS = {1: {"a", "b", "e"}, 2: "a", 3: {"a", "c"}, 4: " c", 5: ["a", "c", "e"], 6: {"a", "b", "c", "e"},
                  7: "C", 8: {"A", "b"}}
 MIXED_SCORE = 8.0
-
-
-def nbgrader(*args: str, course: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Runs the real `nbgrader` command in the course directory (where nbgrader_config.py is) and checks it worked."""
-    result = subprocess.run([str(VENV_BIN / "nbgrader"), *args], cwd=course, capture_output=True, text=True,
-                            env=subprocess_env(), timeout=timeout)
-    assert result.returncode == 0, f"nbgrader {' '.join(args)} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
-    return result
 
 
 def copy_of_course(destination: Path) -> Path:

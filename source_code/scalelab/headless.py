@@ -7,9 +7,9 @@ lost although the cell's ``execute_reply`` is already in the shell socket, and t
 is the same hang). The channels here do not wait for a wake-up: they ask the socket whether a message is there
 (ZMQ_EVENTS, level-triggered) every ``POLL_INTERVAL_S`` and read it when it is.
 
-Use ``kernel_manager_class=PollingKernelManager`` with papermill or nbclient, and ``Execute`` below in place of
-nbgrader's (which passes its own kernel manager class, so configuring ``c.Execute.kernel_manager_class`` has no
-effect).
+Use ``kernel_manager_class=PollingKernelManager`` with papermill or nbclient, and ``with_polling_execute`` on an
+nbgrader preprocessor list (nbgrader's ``Execute`` passes its own kernel manager class, so configuring
+``c.Execute.kernel_manager_class`` has no effect).
 """
 
 from __future__ import annotations
@@ -62,3 +62,8 @@ class Execute(NbgraderExecute):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("kernel_manager_class", PollingKernelManager)
         super().__init__(*args, **kwargs)
+
+
+def with_polling_execute(preprocessors: list) -> list:
+    """An nbgrader preprocessor list (e.g. a converter's default) with its Execute replaced by the one above."""
+    return [Execute if preprocessor is NbgraderExecute else preprocessor for preprocessor in preprocessors]
