@@ -1,8 +1,12 @@
 """Held-out accuracy of a saved model, computed in its own process: ``python -m scalelab.grader.heldout``.
 
-The grader runs this module in a separate process (never in its own), after the student's run has ended:
-it loads ``model.keras`` in Keras safe mode, predicts the held-out split the grader loads itself, and prints
-one JSON object: ``{"accuracy": float | null, "reason": str | null, "trainable_variables": int, ...}``.
+The grader runs this module in a separate process (never in its own): it loads ``model.keras`` in Keras safe
+mode, predicts the held-out split the grader loads itself, and prints one JSON object:
+``{"accuracy": float | null, "reason": str | null, "trainable_variables": int, ...}``.
+
+With ``-`` for the model path it first imports TensorFlow and loads the held-out split, then reads the model's
+path from stdin: the grader starts it that way when the run starts, at idle priority, so that the slow part
+(importing TensorFlow) is done by the time the run ends.
 """
 
 from __future__ import annotations
@@ -13,11 +17,16 @@ import os
 import sys
 
 
-def measure(model_path: str, dataset: str, batch_size: int = 256) -> dict:
+def load_heldout(dataset: str):
+    """The held-out split: (images, labels)."""
+    from scalelab import data
+
+    return data.load(dataset, "test", download=False)
+
+
+def measure(model_path: str, dataset: str, batch_size: int = 256, heldout=None) -> dict:
     import numpy as np
     import tensorflow as tf
-
-    from scalelab import data
 
     result = {"accuracy": None, "reason": None, "trainable_variables": None, "output_shape": None,
               "images": None}
@@ -29,7 +38,7 @@ def measure(model_path: str, dataset: str, batch_size: int = 256) -> dict:
                             f"save it with the DO-NOT-EDIT section and use only built-in Keras layers")
         return result
     result["trainable_variables"] = len(model.trainable_weights)
-    images, labels = data.load(dataset, "test", download=False)
+    images, labels = heldout if heldout is not None else load_heldout(dataset)
     input_shape = tuple(model.input_shape[1:]) if not isinstance(model.input_shape, list) else None
     if input_shape is None:
         result["reason"] = "the saved model has several inputs; it must take one batch of images"
@@ -61,11 +70,20 @@ def measure(model_path: str, dataset: str, batch_size: int = 256) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="held-out accuracy of a saved Keras model (JSON on stdout)")
-    parser.add_argument("model", help="path of model.keras")
+    parser.add_argument("model", help="path of model.keras; - to read it from stdin once TensorFlow and the "
+                                      "held-out split are loaded")
     parser.add_argument("dataset", help="cifar10 or fashion-mnist")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    result = measure(args.model, args.dataset)
+    model_path, heldout = args.model, None
+    if model_path == "-":
+        import tensorflow  # noqa: F401  (the slow part, done before the model exists)
+
+        heldout = load_heldout(args.dataset)
+        model_path = sys.stdin.readline().strip()
+        if not model_path:  # the grader closed stdin: nothing to measure
+            return 0
+    result = measure(model_path, args.dataset, heldout=heldout)
     sys.stdout.write("\n" + json.dumps(result) + "\n")
     return 0
 

@@ -111,7 +111,7 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
         "logs_dir": str(logs_dir), "out_dir": str(out_dir), "model_path": None, "backend": backend,
         "sandboxed": not allow_unsandboxed, "sandbox_uid": None, "grader_version": __version__, "environment": None,
     }
-    job_dir = None
+    job_dir = heldout = None
 
     def report(state: dict) -> None:
         store.write_json_atomic(out_dir / "progress.json", state)
@@ -154,6 +154,8 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
                                  time_budget_s=track.time_budget_s, grace_s=track.grace_s, logs_dir=logs_dir,
                                  hidden_paths=hidden, sandbox=sandbox)
         verdict["sandbox_uid"] = job.sandbox_uid
+        heldout = verify.HeldoutProcess(track.dataset)
+        heldout.start_ahead()  # imports TensorFlow at idle priority while the run goes on
         try:
             if backend == "local":
                 run = launch.run_local(job, on_progress=report)
@@ -170,7 +172,7 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
                 "epochs_seen": run.epochs_seen, "latest_accuracy": None,
                 "checkpoint_mtime": None})
         model_file = job.output_dir / "model.keras"
-        model = verify.heldout_accuracy(model_file, track.dataset)
+        model = heldout.measure(model_file)
         evidence = verify.timeline_evidence(job.timeline_path)
         verdict.update(heldout_accuracy=model.heldout_accuracy, trainable_variables=model.trainable_variables,
                        ranks_seen=evidence.ranks_seen, allreduce_count=evidence.allreduce_count,
@@ -191,6 +193,8 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
                               f"{type(error).__name__}: {error}"]
         (out_dir / "grader-error.log").write_text(traceback.format_exc())
     finally:
+        if heldout is not None:
+            heldout.close()
         verdict["finished_at"] = launch.utc_now()
         if job_dir is not None and job_dir.exists():
             shutil.rmtree(job_dir, ignore_errors=True)

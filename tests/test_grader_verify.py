@@ -1,5 +1,7 @@
 """Evidence from Horovod's timeline (read leniently, also when cut off) and the held-out measurement's refusals."""
 
+import os
+import time
 import zipfile
 from pathlib import Path
 
@@ -96,3 +98,45 @@ def test_heldout_measurement_refuses_lambda_layers_and_wrong_outputs(tmp_path):
     wrong.save(tmp_path / "wrong.keras")
     refused = verify.heldout_accuracy(tmp_path / "wrong.keras", "fashion-mnist")
     assert refused.heldout_accuracy is None and "10 class scores" in refused.reason
+
+
+def thread_policies(pid: int) -> set[int]:
+    return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(not verify.may_raise_priority(), reason="needs CAP_SYS_NICE (the grader runs as root here)")
+def test_heldout_process_started_ahead_waits_at_idle_priority_and_measures_at_normal(tmp_path):
+    import tensorflow as tf
+
+    model = tf.keras.Sequential([tf.keras.Input((28, 28, 1)), tf.keras.layers.Flatten(),
+                                 tf.keras.layers.Dense(10, activation="softmax")])
+    model.save(tmp_path / "model.keras")
+    fresh = verify.heldout_accuracy(tmp_path / "model.keras", "fashion-mnist")
+
+    heldout = verify.HeldoutProcess("fashion-mnist")
+    heldout.start_ahead()
+    waiting = heldout.waiting
+    assert waiting is not None and waiting.poll() is None
+    # every thread it starts while importing TensorFlow inherits the idle policy: it takes no CPU from a run
+    deadline = time.monotonic() + 120
+    while len(os.listdir(f"/proc/{waiting.pid}/task")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert thread_policies(waiting.pid) == {os.SCHED_IDLE}
+    assert verify._restore_normal_priority(waiting.pid)
+    assert thread_policies(waiting.pid) == {os.SCHED_OTHER}
+
+    measured = heldout.measure(tmp_path / "model.keras")
+    assert waiting.returncode == 0 and heldout.waiting is None  # the process started ahead did the measuring
+    assert measured == fresh and measured.images == 10000 and 0 <= measured.heldout_accuracy <= 1
+
+
+@pytest.mark.skipif(not verify.may_raise_priority(), reason="needs CAP_SYS_NICE (the grader runs as root here)")
+def test_heldout_process_started_ahead_is_stopped_when_there_is_no_model(tmp_path):
+    heldout = verify.HeldoutProcess("fashion-mnist")
+    heldout.start_ahead()
+    waiting = heldout.waiting
+    # the run saved no model: refused without asking the measuring process anything...
+    assert heldout.measure(tmp_path / "model.keras").reason.startswith("no model was saved")
+    assert waiting.poll() is None
+    heldout.close()  # ...which the grader then stops, rather than leave it waiting
+    assert waiting.returncode is not None and heldout.waiting is None
