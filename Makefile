@@ -21,6 +21,9 @@ ASSESS_OPTIONS ?=
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export TF_CPP_MIN_LOG_LEVEL ?= 2
+# Open MPI spins on a core while it waits unless it sees more processes than cores; Horovod's background
+# thread waits like that every cycle, taking a core from TensorFlow on a CPU-only machine. Sleep instead.
+export OMPI_MCA_mpi_yield_when_idle ?= 1
 PYTEST_ARGS ?=
 
 .PHONY: setup lab test doctor release autograde bench clean

@@ -65,6 +65,24 @@ def test_p4_is_read_from_the_leads_file_and_is_not_measured_without_it(tmp_path)
     assert (figure["min"], figure["median"], figure["max"]) == (0.4, 0.5, 0.6)
 
 
+def test_measured_programs_run_with_open_mpis_idle_threads_yielding_unless_the_caller_chose(monkeypatch):
+    monkeypatch.delenv("OMPI_MCA_mpi_yield_when_idle", raising=False)
+    assert processes.environment()["OMPI_MCA_mpi_yield_when_idle"] == "1"
+    monkeypatch.setenv("OMPI_MCA_mpi_yield_when_idle", "0")
+    assert processes.environment()["OMPI_MCA_mpi_yield_when_idle"] == "0"
+
+
+@pytest.mark.slow
+def test_mpi_ranks_started_by_the_benchmarks_see_the_yield_setting(tmp_path, monkeypatch):
+    # P2 depends on it: a spinning MPI thread takes a core from the rank's TensorFlow.
+    monkeypatch.delenv("OMPI_MCA_mpi_yield_when_idle", raising=False)
+    script = tmp_path / "show_setting.py"
+    script.write_text("import os\nimport horovod.tensorflow as hvd\nhvd.init()\n"
+                      "print(f'rank {hvd.rank()} yield={os.environ.get(\"OMPI_MCA_mpi_yield_when_idle\")}')\n")
+    finished = processes.run(processes.horovodrun(2, "mpi") + [str(script)], tmp_path / "log.txt", timeout_s=120)
+    assert "rank 0 yield=1" in finished.output and "rank 1 yield=1" in finished.output, finished.output
+
+
 @pytest.mark.slow
 def test_a_failed_runs_message_shows_the_ranks_error_not_only_horovodruns_traceback(tmp_path):
     script = tmp_path / "failing_rank.py"

@@ -1,6 +1,6 @@
 """Run every benchmark and write the report (issue #7).
 
-    PYTHONPATH=source_code .venv/bin/python -m benchmarks.run --out bench-report          # about 10 min, 2 cores
+    PYTHONPATH=source_code .venv/bin/python -m benchmarks.run --out bench-report          # 4-15 min on 2 cores
     PYTHONPATH=source_code .venv/bin/python -m benchmarks.run --out /tmp/quick --quick    # < 1 min, P1 and P6 only
 
 Writes OUT/report.json (every figure with its samples, and the environment), OUT/report.md (the table) and
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import time
 import traceback
@@ -24,7 +23,7 @@ from scalelab import environment
 from scalelab.grader import store
 from scalelab.runtime import usable_cores
 
-from . import bandwidth, class_grading, grader_overhead, plots, report, time_to_accuracy, training
+from . import bandwidth, class_grading, grader_overhead, plots, processes, report, time_to_accuracy, training
 from .summary import not_measured, spread
 
 STAGES = ("bandwidth", "training", "grader", "class")
@@ -193,8 +192,10 @@ def main(argv=None) -> int:
         notes.append(f"time-to-accuracy plot not drawn: {missing}")
 
     env = environment.describe()
+    # The Horovod and Open MPI settings the measured programs ran with (processes.environment adds the course's).
+    launch_env = processes.environment()
     env.update(mpi=environment.mpi_implementation(),
-               horovod_env={k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")})
+               horovod_env={k: v for k, v in launch_env.items() if k.startswith(("HOROVOD_", "OMPI_MCA_"))})
     document = {
         "quick": args.quick, "stages": stages + stages_kept, "stages_kept_from_earlier_run": stages_kept,
         "settings": config, "environment": env,
