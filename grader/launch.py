@@ -34,6 +34,7 @@ NPROC_LIMIT = 1024
 FILE_SIZE_LIMIT_BYTES = 1 << 30
 LOG_CAP_BYTES = 1 << 20
 LINE_CAP_BYTES = 16 << 10
+UNENDED_LINES_CAP = 64  # rank streams whose unended line is held back at once (memory stays bounded)
 KILL_AFTER_TERM_S = 5.0
 PROGRESS_INTERVAL_S = 2.0
 # Dedicated uids for sandboxed jobs when the grader runs as root: one per running job, so that the process
@@ -43,6 +44,8 @@ SANDBOX_UID_RANGE = range(61000, 62000)
 SYSTEM_PATHS = {Path(p) for p in ("/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/proc", "/dev",
                                   "/var", "/opt", "/tmp")}
 RANK_LINE = re.compile(rb"^\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:(.*)$", re.DOTALL)
+# Open MPI tags every chunk it reads from a rank, also in mid-line: "[1,1]<stderr>:RuntimeError[1,1]<stderr>:: ..."
+MPI_TAG = re.compile(rb"\[\d+,(\d+)\]<(stdout|stderr)>:")
 EPOCH_LINE = re.compile(r"\bepoch (\d+)/(\d+)")
 ACCURACY_IN_LINE = re.compile(r"\b(val_accuracy|accuracy)[ =:]+([0-9]*\.?[0-9]+)")
 
@@ -355,6 +358,7 @@ class RankLogDemux:
         self.tails: dict[int, collections.deque] = {}
         self.epochs_seen = 0
         self.latest_accuracy: float | None = None
+        self.partial_lines: dict[tuple[int, bytes], bytes] = {}  # a rank's line that has not ended yet
         self.lock = threading.Lock()
 
     def _log(self, rank: int | None) -> CappedLog:
@@ -366,25 +370,43 @@ class RankLogDemux:
     def feed_line(self, line: bytes) -> None:
         match = RANK_LINE.match(line)
         with self.lock:
-            if match is None:
+            if match is None or int(match.group(1)) > 4096:  # no rank, or a line that only looks like one
                 self._log(None).write(line)
                 return
-            rank = int(match.group(1))
-            if rank > 4096:  # not a real rank: a line that only looks like one
-                self._log(None).write(line)
+            if MPI_TAG.match(line) is None:  # Gloo: horovodrun prefixes whole lines
+                self._take(int(match.group(1)), match.group(2), match.group(3))
                 return
-            content = match.group(3)
-            self._log(rank).write(content)
-            text = content.decode("utf-8", "replace").rstrip("\n")
-            self.tails.setdefault(rank, collections.deque(maxlen=400)).append(text[:2000])
-            if rank == 0 and match.group(2) == b"stdout":
-                epoch = EPOCH_LINE.search(text)
-                if epoch:
-                    self.epochs_seen = max(self.epochs_seen, int(epoch.group(1)))
-                    accuracies = dict((name, value) for name, value in ACCURACY_IN_LINE.findall(text))
-                    value = accuracies.get("val_accuracy", accuracies.get("accuracy"))
-                    if value is not None:
-                        self.latest_accuracy = float(value)
+            tags = list(MPI_TAG.finditer(line))
+            for tag, following in zip(tags, tags[1:] + [None]):
+                rank = int(tag.group(1))
+                content = line[tag.end():following.start() if following else len(line)]
+                if rank > 4096:
+                    self._log(None).write(content)
+                else:
+                    self._take(rank, tag.group(2), content)
+
+    def _take(self, rank: int, stream: bytes, content: bytes) -> None:
+        """A piece of one rank's output: into its log now; into its tail and progress once its line is whole."""
+        self._log(rank).write(content)
+        key = (rank, stream)
+        pending = self.partial_lines.pop(key, b"") + content
+        if pending.endswith(b"\n") or len(pending) >= LINE_CAP_BYTES \
+                or len(self.partial_lines) >= UNENDED_LINES_CAP:
+            self._line_seen(rank, stream, pending)
+        else:
+            self.partial_lines[key] = pending
+
+    def _line_seen(self, rank: int, stream: bytes, line: bytes) -> None:
+        text = line.decode("utf-8", "replace").rstrip("\n")
+        self.tails.setdefault(rank, collections.deque(maxlen=400)).append(text[:2000])
+        if rank == 0 and stream == b"stdout":
+            epoch = EPOCH_LINE.search(text)
+            if epoch:
+                self.epochs_seen = max(self.epochs_seen, int(epoch.group(1)))
+                accuracies = dict((name, value) for name, value in ACCURACY_IN_LINE.findall(text))
+                value = accuracies.get("val_accuracy", accuracies.get("accuracy"))
+                if value is not None:
+                    self.latest_accuracy = float(value)
 
     def pump(self, stream) -> None:
         """Read ``stream`` to its end, line by line, with lines cut at LINE_CAP_BYTES (memory stays bounded)."""
@@ -421,6 +443,9 @@ class RankLogDemux:
 
     def close(self) -> tuple[dict[int, str], str, list[str]]:
         with self.lock:
+            for (rank, stream), unended in self.partial_lines.items():  # output that ended without a newline
+                self._line_seen(rank, stream, unended)
+            self.partial_lines.clear()
             launcher = self._log(None)
             for log in self.logs.values():
                 log.close()

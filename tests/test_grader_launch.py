@@ -75,6 +75,26 @@ def test_rank_log_demux_splits_gloo_and_mpi_prefixes_and_caps_each_log(tmp_path)
     assert truncated == [ranks[0]]
 
 
+def test_mpi_output_tagged_in_mid_line_is_put_back_together_per_rank(tmp_path):
+    import io
+    # As Open MPI forwarded a crash under horovodrun --mpi: Python wrote the exception line in pieces and each
+    # piece got the rank's tag; rank 0's progress came in between rank 1's pieces.
+    stream = (b"[1,1]<stderr>:Traceback (most recent call last):\n"
+              b'[1,1]<stderr>:  File "assessment.py", line 9, in <module>\n'
+              b"[1,1]<stderr>:RuntimeError[1,0]<stdout>:epoch 2/5  accuracy 0.6100\n"
+              b"[1,1]<stderr>:: [1,1]<stderr>:rank one failed on purpose[1,1]<stderr>:\n"
+              b"[1,0]<stderr>:Traceback (most recent call last):\n[1,0]<stderr>:ValueError: ended without newline")
+    demux = launch.RankLogDemux(tmp_path)
+    demux.pump(io.BytesIO(stream))
+    ranks, launcher_log, _ = demux.close()
+    assert demux.tracebacks()[1].splitlines()[-1] == "RuntimeError: rank one failed on purpose"
+    assert demux.tracebacks()[0].splitlines()[-1] == "ValueError: ended without newline"
+    assert demux.epochs_seen == 2 and demux.latest_accuracy == 0.61
+    assert Path(ranks[1]).read_text().endswith('line 9, in <module>\nRuntimeError: rank one failed on purpose\n')
+    assert "<stderr>" not in Path(ranks[0]).read_text() + Path(ranks[1]).read_text()
+    assert Path(launcher_log).read_text() == ""
+
+
 def test_over_long_lines_are_cut_and_stay_in_their_rank_log(tmp_path):
     import io
     demux = launch.RankLogDemux(tmp_path, cap_bytes=10 * launch.LINE_CAP_BYTES)
