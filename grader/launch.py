@@ -43,8 +43,9 @@ SANDBOX_UID_RANGE = range(61000, 62000)
 # Never hidden, even if configured: the sandbox needs them to run anything.
 SYSTEM_PATHS = {Path(p) for p in ("/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/proc", "/dev",
                                   "/var", "/opt", "/tmp")}
-RANK_LINE = re.compile(rb"^\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:(.*)$", re.DOTALL)
-# Open MPI tags every chunk it reads from a rank, also in mid-line: "[1,1]<stderr>:RuntimeError[1,1]<stderr>:: ..."
+# horovodrun prefixes each whole line of a rank with "[0]<stdout>:" under Gloo; Open MPI tags each chunk it reads
+# from a rank with "[1,0]<stdout>:", also in mid-line: "[1,1]<stderr>:RuntimeError[1,1]<stderr>:: ...".
+RANK_TAG = re.compile(rb"\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:")
 MPI_TAG = re.compile(rb"\[\d+,(\d+)\]<(stdout|stderr)>:")
 EPOCH_LINE = re.compile(r"\bepoch (\d+)/(\d+)")
 ACCURACY_IN_LINE = re.compile(r"\b(val_accuracy|accuracy)[ =:]+([0-9]*\.?[0-9]+)")
@@ -368,22 +369,19 @@ class RankLogDemux:
         return self.logs[rank]
 
     def feed_line(self, line: bytes) -> None:
-        match = RANK_LINE.match(line)
+        first = RANK_TAG.match(line)
         with self.lock:
-            if match is None or int(match.group(1)) > 4096:  # no rank, or a line that only looks like one
+            if first is None:
                 self._log(None).write(line)
                 return
-            if MPI_TAG.match(line) is None:  # Gloo: horovodrun prefixes whole lines
-                self._take(int(match.group(1)), match.group(2), match.group(3))
-                return
-            tags = list(MPI_TAG.finditer(line))
+            tags = list(MPI_TAG.finditer(line)) if MPI_TAG.match(line) else [first]
             for tag, following in zip(tags, tags[1:] + [None]):
+                end = following.start() if following else len(line)
                 rank = int(tag.group(1))
-                content = line[tag.end():following.start() if following else len(line)]
-                if rank > 4096:
-                    self._log(None).write(content)
+                if rank > 4096:  # not a real rank: output that only looks like a tag
+                    self._log(None).write(line[tag.start():end])
                 else:
-                    self._take(rank, tag.group(2), content)
+                    self._take(rank, tag.group(2), line[tag.end():end])
 
     def _take(self, rank: int, stream: bytes, content: bytes) -> None:
         """A piece of one rank's output: into its log now; into its tail and progress once its line is whole."""
@@ -417,12 +415,12 @@ class RankLogDemux:
                 break
             if not line.endswith(b"\n"):
                 # An over-long line: keep its rank prefix on the continuation so it lands in the same log.
-                match = RANK_LINE.match(line)
+                match = RANK_TAG.match(line)
                 self.feed_line(pending_rank_prefix + line if match is None else line)
                 if match is not None:
-                    pending_rank_prefix = line[:line.index(b">:") + 2]
+                    pending_rank_prefix = match.group(0)
                 continue
-            self.feed_line(line if RANK_LINE.match(line) else pending_rank_prefix + line)
+            self.feed_line(line if RANK_TAG.match(line) else pending_rank_prefix + line)
             pending_rank_prefix = b""
 
     def tracebacks(self) -> dict[int, str]:
