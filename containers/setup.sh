@@ -28,9 +28,10 @@ done
 
 say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 
-# Debian packages: the MPI Horovod links against, its build tools, offline Fashion-MNIST,
-# the grader's sandbox, Chromium for the browser tests, and Slurm + munge (the Slurm backend and its tests).
-apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make dataset-fashion-mnist bubblewrap chromium procps slurm-wlm slurm-client munge)
+# Debian packages: the MPI Horovod links against, its build tools (and `patch` for containers/patches/),
+# offline Fashion-MNIST, the grader's sandbox, Chromium for the browser tests, and Slurm + munge (the Slurm
+# backend and its tests).
+apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make patch dataset-fashion-mnist bubblewrap chromium procps slurm-wlm slurm-client munge)
 if [ "$do_apt" = 1 ]; then
     missing=()
     for package in "${apt_packages[@]}"; do
@@ -98,13 +99,26 @@ fi
 
 horovod_pin="$(pin horovod)"
 horovod_version="${horovod_pin#horovod==}"
-installed_horovod="$(installed_version horovod)"
-if [ "${installed_horovod%%+*}" != "$horovod_version" ]; then
-    say "Building $horovod_pin against TensorFlow with Gloo and MPI (a few minutes)"
+# Horovod is built from its sdist with the fixes in containers/patches/ applied. They set the local version label
+# below, which tells a patched build from a plain one (pip still takes it for the horovod==X.Y.Z pin).
+horovod_build="$horovod_version+scalelab.1"
+if [ "$(installed_version horovod)" != "$horovod_build" ]; then
+    say "Building Horovod $horovod_build against TensorFlow with Gloo and MPI (a few minutes)"
+    horovod_source="$(mktemp -d)"
+    trap 'rm -rf "$horovod_source"' EXIT
+    "${pip[@]}" download -q --no-deps --no-binary :all: --no-build-isolation -d "$horovod_source" "$horovod_pin"
+    tar -xzf "$horovod_source/horovod-$horovod_version.tar.gz" -C "$horovod_source"
+    for fix in "$project_root"/containers/patches/horovod-"$horovod_version"-*.patch; do
+        patch --quiet --forward -p1 -d "$horovod_source/horovod-$horovod_version" < "$fix"
+    done
     # --no-build-isolation: Horovod's CMake must import the TensorFlow installed above.
     env HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
         HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 MAKEFLAGS="-j$(nproc)" "${horovod_gpu[@]}" \
-        "${pip[@]}" install -q --no-build-isolation "$horovod_pin"
+        "${pip[@]}" install -q --no-build-isolation "$horovod_source/horovod-$horovod_version"
+    if [ "$(installed_version horovod)" != "$horovod_build" ]; then
+        echo "setup.sh: built Horovod $(installed_version horovod), expected $horovod_build (the patches set it)" >&2
+        exit 1
+    fi
 fi
 
 say "Installing the course and its pinned dependencies"

@@ -17,7 +17,7 @@ def test_doctor_reports_the_pinned_stack_and_horovod_build(cifar10_dir, tmp_path
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout.splitlines()
     assert "tensorflow      2.15.1" in out
-    assert "horovod         0.28.1" in out
+    assert "horovod         0.28.1+scalelab.1" in out  # the build with containers/patches/ applied
     assert "horovod build   TensorFlow yes  MPI yes  Gloo yes  NCCL no" in out
     assert "Open MPI" in result.stdout
     assert f"data cifar10    {cifar10_dir}/cifar-10-batches-py" in result.stdout

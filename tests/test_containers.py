@@ -156,6 +156,8 @@ def test_cpu_image_installs_through_the_setup_script_that_make_setup_and_ci_run(
     runs = [arguments for keyword, arguments in instructions(dockerfile) if keyword == "RUN"]
     assert any(re.match(r"containers/setup\.sh --system-python(\s|$)", run) for run in runs), runs
     assert "containers/setup.sh" in copy_sources(dockerfile)
+    # setup.sh builds Horovod with the patches in containers/patches/: the image must have them too.
+    assert "containers/patches/" in copy_sources(dockerfile)
     assert not any("pip install" in run for run in runs), "the CPU image must not install packages on its own"
     # The script the image runs is the one CI runs: .ci/run → make test → make setup → containers/setup.sh.
     assert "make test" in (PROJECT_ROOT / ".ci" / "run").read_text()
