@@ -3,8 +3,9 @@
 The submission is tests/submissions/honest_small.py on the fashion-mnist-test track of
 tests/submissions/tracks.toml (2 ranks, Gloo). The bare run is what a student runs to self-test, in a fresh
 directory with the same environment variables the grader sets. Both are timed from outside, as whole commands,
-in turn, once per repeat. The overhead is split with the grader's own launch-to-exit time (``wall_time_s``):
-``inside_run_s`` (sandbox, timeline) and ``outside_run_s`` (start-up, staging, the held-out measurement).
+once per repeat, in turn (which one goes first alternates). The overhead is split with the grader's own
+launch-to-exit time (``wall_time_s``): ``inside_run_s`` (sandbox, timeline) and ``outside_run_s`` (start-up,
+staging, the held-out measurement).
 """
 
 from __future__ import annotations
@@ -62,8 +63,14 @@ def measure(out_dir: Path, *, repeats: int, log=print) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     bare, assessed, overhead, inside, outside, verdicts = [], [], [], [], [], []
     for repeat in range(repeats):
-        bare_s = bare_run(out_dir / f"bare_{repeat}")
-        assess_s, verdict = assess_run(out_dir / f"assess_{repeat}", out_dir / "home")
+        # Every other repeat runs the assess first, so that what the first run of a pair leaves behind (files in
+        # the page cache, a busier or quieter moment of the machine) favours neither side.
+        if repeat % 2 == 0:
+            bare_s = bare_run(out_dir / f"bare_{repeat}")
+            assess_s, verdict = assess_run(out_dir / f"assess_{repeat}", out_dir / "home")
+        else:
+            assess_s, verdict = assess_run(out_dir / f"assess_{repeat}", out_dir / "home")
+            bare_s = bare_run(out_dir / f"bare_{repeat}")
         bare.append(bare_s)
         assessed.append(assess_s)
         overhead.append(assess_s - bare_s)

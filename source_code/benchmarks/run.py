@@ -43,7 +43,7 @@ def settings(quick: bool) -> dict:
     # Sized to stay under 15 minutes on 2 cores (a fresh clone took 15.0 min with 6,400 training images).
     return dict(sizes=bandwidth.FULL_SIZES, allreduce_repeats=7, variants=list(bandwidth.VARIANTS), repeats=3,
                 epochs=3, train_images=5120, steps=20, sweep=[32, 64, 128, 256, 512], sweep_images=1280,
-                sweep_repeats=2, with_horovod=True, grader_repeats=3, students=20)
+                sweep_repeats=2, with_horovod=True, grader_repeats=6, students=20)
 
 
 def p4_from_file(path: Path) -> dict:
