@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -50,8 +51,17 @@ def assess_in_browser(server: JupyterServer, screenshot: Path, verdict_timeout_s
             cell.wait_for(timeout=90_000)
             expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")).to_have_count(
                 1, timeout=90_000)  # the kernel is up
-            cell.locator(".jp-InputArea-editor").click()
-            page.keyboard.press("Shift+Enter")
+            # Run the panel cell. A key press can land before the editor has focus (seen once in CI: the panel never
+            # came); until the cell's prompt shows that it ran ("[*]:" or "[1]:"), press again.
+            prompt = cell.locator(".jp-InputArea-prompt")
+            for _ in range(3):
+                cell.locator(".jp-InputArea-editor").click()
+                page.keyboard.press("Shift+Enter")
+                try:
+                    expect(prompt).not_to_have_text(re.compile(r"^\[ \]:$"), timeout=10_000)
+                    break
+                except AssertionError:
+                    continue
             panel = page.locator(".scalelab-assess-panel")
             button = panel.locator("button", has_text="Assess")
             button.wait_for(timeout=60_000)
