@@ -61,7 +61,7 @@ def assess_in_browser(server: JupyterServer, screenshot: Path, verdict_timeout_s
                     expect(prompt).not_to_have_text(re.compile(r"^\[ \]:$"), timeout=10_000)
                     break
                 except AssertionError:
-                    continue
+                    pass  # not run yet: press again
             panel = page.locator(".scalelab-assess-panel")
             button = panel.locator("button", has_text="Assess")
             button.wait_for(timeout=60_000)
