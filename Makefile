@@ -24,6 +24,9 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 # Open MPI spins on a core while it waits unless it sees more processes than cores; Horovod's background
 # thread waits like that every cycle, taking a core from TensorFlow on a CPU-only machine. Sleep instead.
 export OMPI_MCA_mpi_yield_when_idle ?= 1
+# Large allreduces under --mpi use the segmented ring (source_code/scalelab/openmpi-collective-rules.conf says why).
+export OMPI_MCA_coll_tuned_use_dynamic_rules ?= 1
+export OMPI_MCA_coll_tuned_dynamic_rules_filename ?= $(CURDIR)/source_code/scalelab/openmpi-collective-rules.conf
 PYTEST_ARGS ?=
 
 .PHONY: setup lab test doctor release autograde bench clean

@@ -27,6 +27,7 @@ from typing import Callable
 import psutil
 
 from scalelab import data as course_data
+from scalelab.environment import openmpi_settings
 
 # Limits for the submission's processes (per job); generous enough for TensorFlow's thread pools, since Linux
 # counts threads towards RLIMIT_NPROC.
@@ -236,6 +237,9 @@ def prepare_job(submission: Path, job_dir: Path, *, dataset: str, track_name: st
         "SCALELAB_TRACK": track_name,
         "SCALELAB_DATASET": dataset,
         data_variable: str(data_dir),
+        # The course's Open MPI settings (an operator's own OMPI_MCA_ values for them win), so a --mpi track
+        # is graded as the student ran it in the lab; the rules file is inside the course library, readable.
+        **openmpi_settings(),
     }
     for passed_through in ("CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "NVIDIA_VISIBLE_DEVICES"):
         if passed_through in os.environ:

@@ -5,11 +5,15 @@ from __future__ import annotations
 import subprocess
 
 from conftest import VENV_BIN, subprocess_env
+from scalelab.environment import OPENMPI_COLLECTIVE_RULES
+
+COURSE_MPI_RULES = {"OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
+                    "OMPI_MCA_coll_tuned_dynamic_rules_filename": str(OPENMPI_COLLECTIVE_RULES)}
 
 
 def _doctor(**env):
     return subprocess.run([str(VENV_BIN / "scalelab"), "doctor"], capture_output=True, text=True, timeout=300,
-                          env=subprocess_env(**env))
+                          env=subprocess_env(**{**COURSE_MPI_RULES, **env}))
 
 
 def test_doctor_reports_the_pinned_stack_and_horovod_build(cifar10_dir, tmp_path):
@@ -20,18 +24,25 @@ def test_doctor_reports_the_pinned_stack_and_horovod_build(cifar10_dir, tmp_path
     assert "horovod         0.28.1+scalelab.1" in out  # the build with containers/patches/ applied
     assert "horovod build   TensorFlow yes  MPI yes  Gloo yes  NCCL no" in out
     assert "Open MPI" in result.stdout
+    assert f"mpi rules       {OPENMPI_COLLECTIVE_RULES}" in out
     assert f"data cifar10    {cifar10_dir}/cifar-10-batches-py" in result.stdout
     assert "data fashion-mnist /usr/share/datasets/fashion-mnist" in result.stdout
     assert "everything the course needs is here" in result.stdout
 
 
 def test_doctor_fails_with_one_line_per_missing_piece(tmp_path):
-    result = _doctor(SCALELAB_CIFAR10_DIR=str(tmp_path / "nowhere"), KERAS_HOME=str(tmp_path))
+    moved_rules = tmp_path / "moved.conf"
+    result = _doctor(SCALELAB_CIFAR10_DIR=str(tmp_path / "nowhere"), KERAS_HOME=str(tmp_path),
+                     OMPI_MCA_coll_tuned_dynamic_rules_filename=str(moved_rules))
     assert result.returncode == 1
     assert "data cifar10    missing" in result.stdout
+    assert f"mpi rules       {moved_rules} (missing)" in result.stdout
     problems = [line for line in result.stderr.splitlines() if line.startswith("problem: ")]
-    assert problems == ["problem: CIFAR-10 is not available offline: set SCALELAB_CIFAR10_DIR to a directory "
-                        "holding cifar-10-batches-py (or let the first run download it)."]
+    assert problems == [
+        f"problem: OMPI_MCA_coll_tuned_dynamic_rules_filename names {moved_rules}, which does not exist: Open MPI "
+        f"silently ignores it; point it at {OPENMPI_COLLECTIVE_RULES}.",
+        "problem: CIFAR-10 is not available offline: set SCALELAB_CIFAR10_DIR to a directory "
+        "holding cifar-10-batches-py (or let the first run download it)."]
 
 
 def test_unknown_command_is_a_usage_error():

@@ -18,12 +18,14 @@ P6_MESSAGE_BYTES = 64 << 20
 # Sizes of the sweep: 4 KB to 64 MB, each 4× the previous; --quick stops at 1 MB.
 FULL_SIZES = [4 ** k * 4096 for k in range(0, 8)]
 QUICK_SIZES = [4096, 65536, 1 << 20]
-# The transport settings measured: the course's default (Gloo, as the tracks launch), MPI, and MPI with
-# TensorFlow's BFC allocator on the CPU. Without BFC every 64 MB allreduce output is a fresh mmap whose pages
-# fault in during the copy (measured here: MPI 0.52 → 0.81 GB/s, Gloo 0.39 → 0.66 GB/s at 64 MB with it).
+# The transport settings measured: the course's default (Gloo, as the tracks launch); MPI with the course's
+# collective rules (scalelab/openmpi-collective-rules.conf: segmented ring from 1 MiB); MPI with Open MPI's own
+# fixed decisions, to show what the rules buy in the same run; and MPI with TensorFlow's BFC allocator on the
+# CPU, which reuses the 64 MB output buffer instead of faulting in a fresh mmap for every allreduce.
 VARIANTS = {
     "gloo": ("gloo", {}),
     "mpi": ("mpi", {}),
+    "mpi-fixed": ("mpi", {"OMPI_MCA_coll_tuned_use_dynamic_rules": "0"}),
     "mpi+bfc": ("mpi", {"TF_CPU_ALLOCATOR_USE_BFC": "true"}),
 }
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from scalelab.environment import horovodrun_path
+from scalelab.environment import horovodrun_path, openmpi_settings
 
 SOURCE_CODE = Path(__file__).resolve().parents[1]
 COURSE_ROOT = SOURCE_CODE.parent
@@ -39,8 +39,9 @@ def environment(**extra: str) -> dict[str, str]:
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    # As the Makefile: Open MPI's idle threads sleep rather than spin on a core the ranks' TensorFlow needs.
-    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    # As the Makefile: Open MPI's idle threads sleep rather than spin on a core the ranks' TensorFlow needs, and
+    # large allreduces use the course's collective rules.
+    env.update(openmpi_settings(env))
     env.setdefault("PYTHONUNBUFFERED", "1")
     # The venv's commands first, as in an activated venv: nbgrader's gradebook runs `alembic` from PATH.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

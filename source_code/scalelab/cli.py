@@ -37,6 +37,10 @@ def doctor(args: argparse.Namespace) -> int:
     print(f"mpi             {mpi or 'missing'}")
     if mpi is None:
         problems.append("mpirun not found: install openmpi-bin and libopenmpi-dev.")
+    rules, rules_problem = environment.openmpi_rules()
+    print(f"mpi rules       {rules}")
+    if rules_problem:
+        problems.append(rules_problem)
     print(f"cpus            {facts['cpu_count']} × {facts['cpu_model']}")
     gpus = environment.gpus()
     print(f"gpus            {', '.join(gpus) if gpus else 'none'}")

@@ -72,6 +72,40 @@ def horovod_build() -> dict[str, bool] | None:
             for name in ("TensorFlow", "MPI", "Gloo", "NCCL")}
 
 
+# Open MPI settings for every `horovodrun --mpi` of the course (the Makefile and the containers export the same).
+OPENMPI_COLLECTIVE_RULES = Path(__file__).with_name("openmpi-collective-rules.conf")
+RULES_SWITCH = "OMPI_MCA_coll_tuned_use_dynamic_rules"
+RULES_FILE = "OMPI_MCA_coll_tuned_dynamic_rules_filename"
+
+
+def openmpi_settings(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The course's Open MPI settings, each one the caller's environment sets taken from there instead.
+
+    Waiting threads sleep rather than spin on a core TensorFlow needs (Horovod's background thread waits every
+    cycle), and large allreduces use the segmented ring (see openmpi-collective-rules.conf).
+    """
+    environ = os.environ if environ is None else environ
+    course = {"OMPI_MCA_mpi_yield_when_idle": "1", RULES_SWITCH: "1", RULES_FILE: str(OPENMPI_COLLECTIVE_RULES)}
+    return {name: environ.get(name, value) for name, value in course.items()}
+
+
+def openmpi_rules(environ: dict[str, str] | None = None) -> tuple[str, str | None]:
+    """What Open MPI's collective tuning will be under ``environ``, and a problem to report (or None).
+
+    Open MPI says nothing when the rules file is missing or switched off; it silently uses its fixed decisions.
+    """
+    environ = os.environ if environ is None else environ
+    path = environ.get(RULES_FILE)
+    if not path:
+        return "Open MPI's fixed decisions (no rules file set)", None
+    if environ.get(RULES_SWITCH) != "1":
+        return f"Open MPI's fixed decisions ({RULES_SWITCH} is not 1, so {path} is not read)", None
+    if not Path(path).is_file():
+        return f"{path} (missing)", (f"{RULES_FILE} names {path}, which does not exist: Open MPI silently "
+                                     f"ignores it; point it at {OPENMPI_COLLECTIVE_RULES}.")
+    return path, None
+
+
 def mpi_implementation() -> str | None:
     if not shutil.which("mpirun"):
         return None

@@ -1,0 +1,155 @@
+"""The course's Open MPI collective rules (source_code/scalelab/openmpi-collective-rules.conf).
+
+Open MPI reads the file without a word when it is wrong or missing (it falls back to its fixed decisions), so
+these tests check what it cannot: that the file has the structure Open MPI 4.1 reads, that every way the course
+starts `horovodrun --mpi` points at it, and that allreduces on both sides of its size switch still sum exactly.
+Its speed is measured by `make bench` (P6, variants "mpi" and "mpi-fixed").
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from scalelab import environment
+from scalelab.grader import launch
+from conftest import VENV_BIN, subprocess_env
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+RULES = environment.OPENMPI_COLLECTIVE_RULES
+ALLREDUCE_ID = 2  # ALLREDUCE in Open MPI's coll_base_functions.h
+SWITCH_BYTES = 1 << 20
+
+
+def read_rules(text: str) -> dict[int, list[tuple[int, list[tuple[int, int, int, int]]]]]:
+    """The rules as Open MPI 4.1's reader walks them: {collective id: [(communicator size, [(message bytes,
+    algorithm, fan-in/out, segment bytes), ...]), ...]}. Every number must be used, none may be missing."""
+    numbers = [int(word) for line in text.splitlines() for word in line.split("#", 1)[0].split()]
+    position = 0
+
+    def take() -> int:
+        nonlocal position
+        assert position < len(numbers), "the rules end early"
+        position += 1
+        return numbers[position - 1]
+
+    rules = {}
+    for _ in range(take()):
+        collective = take()
+        rules[collective] = [(take(), [(take(), take(), take(), take()) for _ in range(take())])
+                             for _ in range(take())]
+    assert position == len(numbers), f"{len(numbers) - position} numbers left over after the last rule"
+    return rules
+
+
+def test_the_rules_are_what_open_mpi_reads_and_switch_large_allreduces_to_the_segmented_ring():
+    rules = read_rules(RULES.read_text())
+    assert list(rules) == [ALLREDUCE_ID]
+    [(communicator_size, by_message)] = rules[ALLREDUCE_ID]
+    assert communicator_size == 2, "the rule must cover the smallest job (2 ranks)"
+    sizes = [rule[0] for rule in by_message]
+    # Without a rule for size 0, Open MPI drops the whole collective's rules silently.
+    assert sizes[0] == 0 and sizes == sorted(set(sizes))
+    assert by_message[0][1] == 0, "small messages keep Open MPI's fixed decision"
+    [large] = [rule for rule in by_message if rule[0] == SWITCH_BYTES]
+    assert large[1] == 5 and large[3] == 1 << 20, "1 MiB and up: segmented ring with 1 MiB segments"
+
+
+def test_the_reader_rejects_rules_with_a_missing_or_extra_number():
+    good = RULES.read_text()
+    with pytest.raises(AssertionError, match="end early"):
+        read_rules(good.replace("1048576 5 0 1048576", "1048576 5 0"))
+    with pytest.raises(AssertionError, match="left over"):
+        read_rules(good + "\n7\n")
+
+
+def test_course_settings_point_open_mpi_at_the_rules_unless_the_caller_set_its_own():
+    assert environment.openmpi_settings({}) == {
+        "OMPI_MCA_mpi_yield_when_idle": "1",
+        "OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
+        "OMPI_MCA_coll_tuned_dynamic_rules_filename": str(RULES)}
+    own = {"OMPI_MCA_coll_tuned_use_dynamic_rules": "0"}
+    assert environment.openmpi_settings(own)["OMPI_MCA_coll_tuned_use_dynamic_rules"] == "0"
+
+
+def test_the_makefile_exports_the_rules_file():
+    env = subprocess_env()
+    for name in environment.openmpi_settings({}):
+        env.pop(name, None)  # what `make` sets by itself, not what this shell has
+    shown = subprocess.run(
+        ["make", "--no-print-directory", "-C", str(PROJECT_ROOT), "--eval",
+         "show-rules: ; @echo $$OMPI_MCA_coll_tuned_use_dynamic_rules $$OMPI_MCA_coll_tuned_dynamic_rules_filename",
+         "show-rules"], capture_output=True, text=True, timeout=60, env=env)
+    assert shown.returncode == 0, shown.stderr
+    switch, path = shown.stdout.split()
+    assert switch == "1" and Path(path) == RULES
+
+
+@pytest.mark.parametrize("recipe", ["Dockerfile.cpu", "Dockerfile.gpu", "scalelab.def"])
+def test_the_images_point_open_mpi_at_the_rules_file_they_copy(recipe):
+    text = (PROJECT_ROOT / "containers" / recipe).read_text()
+    assert re.search(r"OMPI_MCA_coll_tuned_use_dynamic_rules=\"?(\$\{[^}]*:-)?1", text)
+    path = re.search(r"OMPI_MCA_coll_tuned_dynamic_rules_filename=\"?(?:\$\{[^}]*:-)?(/[^\s\"}]+)", text).group(1)
+    # The course is copied to /opt/scalelab in both images (the Apptainer image is built from the GPU one).
+    assert path.startswith("/opt/scalelab/")
+    assert PROJECT_ROOT / path.removeprefix("/opt/scalelab/") == RULES
+
+
+def test_a_graded_run_gets_the_course_settings_and_can_read_the_rules_in_its_sandbox(tmp_path, monkeypatch):
+    for name in environment.openmpi_settings({}):
+        monkeypatch.delenv(name, raising=False)
+    submission = tmp_path / "assessment.py"
+    submission.write_text("print('hello')\n")
+    job = launch.prepare_job(submission, tmp_path / "job", dataset="fashion-mnist", track_name="test", np=2,
+                             launcher="mpi", launcher_options=(), time_budget_s=60, grace_s=5,
+                             logs_dir=tmp_path / "logs", hidden_paths=[], sandbox=False)
+    assert {name: job.env[name] for name in environment.openmpi_settings({})} == environment.openmpi_settings({})
+    assert any(RULES.resolve().is_relative_to(path) for path in job.readonly_paths)
+
+    monkeypatch.setenv("OMPI_MCA_coll_tuned_use_dynamic_rules", "0")  # an operator's own choice wins
+    job = launch.prepare_job(submission, tmp_path / "job2", dataset="fashion-mnist", track_name="test", np=2,
+                             launcher="mpi", launcher_options=(), time_budget_s=60, grace_s=5,
+                             logs_dir=tmp_path / "logs2", hidden_paths=[], sandbox=False)
+    assert job.env["OMPI_MCA_coll_tuned_use_dynamic_rules"] == "0"
+
+
+@pytest.mark.parametrize(("environ", "shown", "problem"), [
+    ({}, "fixed decisions (no rules file set)", None),
+    ({"OMPI_MCA_coll_tuned_dynamic_rules_filename": str(RULES)}, "is not 1", None),
+    ({"OMPI_MCA_coll_tuned_use_dynamic_rules": "1", "OMPI_MCA_coll_tuned_dynamic_rules_filename": str(RULES)},
+     str(RULES), None),
+    ({"OMPI_MCA_coll_tuned_use_dynamic_rules": "1", "OMPI_MCA_coll_tuned_dynamic_rules_filename": "/no/such.conf"},
+     "/no/such.conf (missing)", "silently ignores it"),
+])
+def test_doctor_says_which_rules_open_mpi_will_use(environ, shown, problem):
+    rules, found_problem = environment.openmpi_rules(environ)
+    assert shown in rules
+    assert (found_problem is None) if problem is None else (problem in found_problem)
+
+
+@pytest.mark.slow
+def test_allreduces_around_the_switch_sum_exactly_under_the_rules(tmp_path):
+    script = tmp_path / "sums.py"
+    script.write_text(
+        "import os\n"
+        "import numpy as np\n"
+        "import horovod.tensorflow as hvd\n"
+        "import tensorflow as tf\n"
+        "hvd.init()\n"
+        f"assert os.environ['OMPI_MCA_coll_tuned_dynamic_rules_filename'] == {str(RULES)!r}\n"
+        # Element counts below, at and above the switch, none a multiple of the 1 MiB segment.
+        "for count in (262_143, 262_147, 1_310_719, 4_194_311):\n"
+        "    mine = (np.arange(count) % 1000).astype(np.float32) * (hvd.rank() + 1)\n"
+        "    total = np.asarray(hvd.allreduce(tf.constant(mine), op=hvd.Sum, name=f'sum_{count}'))\n"
+        "    expected = (np.arange(count) % 1000).astype(np.float32) * sum(range(1, hvd.size() + 1))\n"
+        "    assert np.array_equal(total, expected), (count, np.flatnonzero(total != expected)[:5])\n"
+        "    print(f'rank {hvd.rank()} count {count} exact', flush=True)\n")
+    finished = subprocess.run([str(VENV_BIN / "horovodrun"), "-np", "2", "--mpi", str(VENV_BIN / "python"), str(script)],
+                              capture_output=True, text=True, timeout=180,
+                              env=subprocess_env(**environment.openmpi_settings({})))
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} count 4194311 exact" in finished.stdout, finished.stdout
