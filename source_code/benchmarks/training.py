@@ -71,19 +71,25 @@ def measure(out_dir: Path, *, repeats: int, epochs: int, train_images: int, step
     out_dir.mkdir(parents=True, exist_ok=True)
     samples = {"bare": [], "serial": [], "horovod": []}
     p1, p2 = [], []
+    programs = {"bare": lambda tag: bare_step(out_dir, tag, [GLOBAL_BATCH], 3, steps=steps)[GLOBAL_BATCH],
+                "serial": lambda tag: serial_script(out_dir, tag, epochs, train_images),
+                "horovod": lambda tag: horovod_script(out_dir, tag, epochs, train_images)}
+    if not with_horovod:
+        del programs["horovod"]
     for repeat in range(repeats):
-        bare = bare_step(out_dir, f"r{repeat}", [GLOBAL_BATCH], 3, steps=steps)[GLOBAL_BATCH]
-        serial = serial_script(out_dir, f"r{repeat}", epochs, train_images)
-        samples["bare"].append(bare)
-        samples["serial"].append(serial)
-        p1.append(statistics.median(serial) / statistics.median(bare))
-        line = f"  repeat {repeat + 1}: bare {statistics.median(bare):.0f} img/s, course script " \
-               f"{statistics.median(serial):.0f} img/s"
+        # Every other repeat runs the programs in reverse order, so a machine that speeds up or slows down
+        # during a repeat does not always favour the same side of a ratio.
+        order = list(programs) if repeat % 2 == 0 else list(reversed(programs))
+        rates = {name: programs[name](f"r{repeat}") for name in order}
+        for name, rate in rates.items():
+            samples[name].append(rate)
+        medians = {name: statistics.median(rate) for name, rate in rates.items()}
+        p1.append(medians["serial"] / medians["bare"])
+        line = f"  repeat {repeat + 1} ({' → '.join(order)}): bare {medians['bare']:.0f} img/s, " \
+               f"course script {medians['serial']:.0f} img/s"
         if with_horovod:
-            horovod = horovod_script(out_dir, f"r{repeat}", epochs, train_images)
-            samples["horovod"].append(horovod)
-            p2.append(statistics.median(horovod) / statistics.median(serial))
-            line += f", horovodrun -np 2 --mpi {statistics.median(horovod):.0f} img/s"
+            p2.append(medians["horovod"] / medians["serial"])
+            line += f", horovodrun -np 2 --mpi {medians['horovod']:.0f} img/s"
         log(line)
     return {
         "P1": spread(p1),
