@@ -1,8 +1,9 @@
 """The course's Open MPI collective rules (source_code/scalelab/openmpi-collective-rules.conf).
 
-Open MPI reads the file without a word when it is wrong or missing (it falls back to its fixed decisions), so
-these tests check what it cannot: that the file has the structure Open MPI 4.1 reads, that every way the course
-starts `horovodrun --mpi` points at it, and that allreduces on both sides of its size switch still sum exactly.
+Open MPI says nothing when the file is wrong or missing (it falls back to its fixed decisions), so these tests
+check that the file has the structure Open MPI 4.1 reads, that Open MPI really applies it (a copy naming an
+algorithm that does not exist makes only the allreduces above the size switch fail), that every way the course
+starts `horovodrun --mpi` points at it, and that allreduces on both sides of the switch still sum exactly.
 Its speed is measured by `make bench` (P6, variants "mpi" and "mpi-fixed").
 """
 
@@ -153,3 +154,29 @@ def test_allreduces_around_the_switch_sum_exactly_under_the_rules(tmp_path):
     assert finished.returncode == 0, finished.stdout + finished.stderr
     for rank in (0, 1):
         assert f"rank {rank} count 4194311 exact" in finished.stdout, finished.stdout
+
+
+@pytest.mark.slow
+def test_open_mpi_really_reads_the_rules_file(tmp_path):
+    # The same file with an algorithm Open MPI does not have for 1 MiB and up: if Open MPI reads the file (its
+    # comments included) and applies the size switch, a 64 KiB allreduce still works and a 2 MiB one fails.
+    broken_rules = tmp_path / "rules-with-no-such-algorithm.conf"
+    broken_rules.write_text(RULES.read_text().replace("\n1048576 5 0 1048576", "\n1048576 99 0 1048576"))
+    assert broken_rules.read_text() != RULES.read_text()
+    script = tmp_path / "two_sizes.py"
+    script.write_text(
+        "import horovod.tensorflow as hvd\n"
+        "import numpy as np\n"
+        "import tensorflow as tf\n"
+        "hvd.init()\n"
+        "for name, count in (('small', 16_384), ('large', 524_288)):\n"
+        "    total = np.asarray(hvd.allreduce(tf.ones(count), op=hvd.Sum, name=name))\n"
+        "    print(f'rank {hvd.rank()} {name} {total[0]:.0f}', flush=True)\n")
+    settings = {**environment.openmpi_settings({}), "OMPI_MCA_coll_tuned_dynamic_rules_filename": str(broken_rules)}
+    finished = subprocess.run([str(VENV_BIN / "horovodrun"), "-np", "2", "--mpi", str(VENV_BIN / "python"),
+                               str(script)], capture_output=True, text=True, timeout=180,
+                              env=subprocess_env(**settings))
+    output = finished.stdout + finished.stderr
+    assert "rank 0 small 2" in output and "rank 1 small 2" in output, output
+    assert finished.returncode != 0 and "large 2" not in output, output
+    assert "MPI_ERR_ARG" in output, output
