@@ -13,7 +13,7 @@ from conftest import PROJECT_ROOT, subprocess_env
 sys.path.insert(0, str(PROJECT_ROOT / "source_code"))  # the benchmarks are a directory, not an installed package
 
 from benchmarks import bandwidth, processes, report, run, time_to_accuracy, training  # noqa: E402
-from benchmarks.summary import not_measured, spread  # noqa: E402
+from benchmarks.summary import not_measured, run_in_turn, spread  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -55,6 +55,14 @@ def test_p6_is_bus_bandwidth_over_the_median_memcpy_at_64_mb_or_the_largest_size
     assert figure["message_bytes"] == 64 << 20 and figure["median"] == pytest.approx(0.5)
     document["sizes"].pop()
     assert bandwidth.p6_ratio(document)["message_bytes"] == 1 << 20
+
+
+def test_programs_run_in_turn_and_in_reverse_every_other_repeat():
+    for repeat, expected in ((0, ["a", "b", "c"]), (1, ["c", "b", "a"]), (2, ["a", "b", "c"])):
+        called = []
+        results = run_in_turn({name: (lambda name=name: called.append(name) or name.upper()) for name in "abc"},
+                              repeat)
+        assert called == expected and results == {"a": "A", "b": "B", "c": "C"}
 
 
 def test_p4_is_read_from_the_leads_file_and_is_not_measured_without_it(tmp_path):

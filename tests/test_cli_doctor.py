@@ -5,15 +5,12 @@ from __future__ import annotations
 import subprocess
 
 from conftest import VENV_BIN, subprocess_env
-from scalelab.environment import OPENMPI_COLLECTIVE_RULES
-
-COURSE_MPI_RULES = {"OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
-                    "OMPI_MCA_coll_tuned_dynamic_rules_filename": str(OPENMPI_COLLECTIVE_RULES)}
+from scalelab.environment import OPENMPI_COLLECTIVE_RULES, openmpi_settings
 
 
 def _doctor(**env):
     return subprocess.run([str(VENV_BIN / "scalelab"), "doctor"], capture_output=True, text=True, timeout=300,
-                          env=subprocess_env(**{**COURSE_MPI_RULES, **env}))
+                          env=subprocess_env(**{**openmpi_settings({}), **env}))
 
 
 def test_doctor_reports_the_pinned_stack_and_horovod_build(cifar10_dir, tmp_path):

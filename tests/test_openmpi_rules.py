@@ -23,6 +23,12 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RULES = environment.OPENMPI_COLLECTIVE_RULES
 ALLREDUCE_ID = 2  # ALLREDUCE in Open MPI's coll_base_functions.h
 SWITCH_BYTES = 1 << 20
+COURSE_SETTINGS = environment.openmpi_settings({})
+
+
+def run_two_ranks_under_mpi(horovodrun: str, script: Path, settings: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([horovodrun, "-np", "2", "--mpi", str(VENV_BIN / "python"), str(script)],
+                          capture_output=True, text=True, timeout=180, env=subprocess_env(**settings))
 
 
 def read_rules(text: str) -> dict[int, list[tuple[int, list[tuple[int, int, int, int]]]]]:
@@ -68,7 +74,7 @@ def test_the_reader_rejects_rules_with_a_missing_or_extra_number():
 
 
 def test_course_settings_point_open_mpi_at_the_rules_unless_the_caller_set_its_own():
-    assert environment.openmpi_settings({}) == {
+    assert COURSE_SETTINGS == {
         "OMPI_MCA_mpi_yield_when_idle": "1",
         "OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
         "OMPI_MCA_coll_tuned_dynamic_rules_filename": str(RULES)}
@@ -78,7 +84,7 @@ def test_course_settings_point_open_mpi_at_the_rules_unless_the_caller_set_its_o
 
 def test_the_makefile_exports_the_rules_file():
     env = subprocess_env()
-    for name in environment.openmpi_settings({}):
+    for name in COURSE_SETTINGS:
         env.pop(name, None)  # what `make` sets by itself, not what this shell has
     shown = subprocess.run(
         ["make", "--no-print-directory", "-C", str(PROJECT_ROOT), "--eval",
@@ -100,21 +106,22 @@ def test_the_images_point_open_mpi_at_the_rules_file_they_copy(recipe):
 
 
 def test_a_graded_run_gets_the_course_settings_and_can_read_the_rules_in_its_sandbox(tmp_path, monkeypatch):
-    for name in environment.openmpi_settings({}):
-        monkeypatch.delenv(name, raising=False)
     submission = tmp_path / "assessment.py"
     submission.write_text("print('hello')\n")
-    job = launch.prepare_job(submission, tmp_path / "job", dataset="fashion-mnist", track_name="test", np=2,
-                             launcher="mpi", launcher_options=(), time_budget_s=60, grace_s=5,
-                             logs_dir=tmp_path / "logs", hidden_paths=[], sandbox=False)
-    assert {name: job.env[name] for name in environment.openmpi_settings({})} == environment.openmpi_settings({})
+
+    def prepare(name):
+        return launch.prepare_job(submission, tmp_path / name, dataset="fashion-mnist", track_name="test", np=2,
+                                  launcher="mpi", launcher_options=(), time_budget_s=60, grace_s=5,
+                                  logs_dir=tmp_path / f"{name}-logs", hidden_paths=[], sandbox=False)
+
+    for name in COURSE_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    job = prepare("job")
+    assert {name: job.env[name] for name in COURSE_SETTINGS} == COURSE_SETTINGS
     assert any(RULES.resolve().is_relative_to(path) for path in job.readonly_paths)
 
     monkeypatch.setenv("OMPI_MCA_coll_tuned_use_dynamic_rules", "0")  # an operator's own choice wins
-    job = launch.prepare_job(submission, tmp_path / "job2", dataset="fashion-mnist", track_name="test", np=2,
-                             launcher="mpi", launcher_options=(), time_budget_s=60, grace_s=5,
-                             logs_dir=tmp_path / "logs2", hidden_paths=[], sandbox=False)
-    assert job.env["OMPI_MCA_coll_tuned_use_dynamic_rules"] == "0"
+    assert prepare("job2").env["OMPI_MCA_coll_tuned_use_dynamic_rules"] == "0"
 
 
 @pytest.mark.parametrize(("environ", "shown", "problem"), [
@@ -132,7 +139,7 @@ def test_doctor_says_which_rules_open_mpi_will_use(environ, shown, problem):
 
 
 @pytest.mark.slow
-def test_allreduces_around_the_switch_sum_exactly_under_the_rules(tmp_path):
+def test_allreduces_around_the_switch_sum_exactly_under_the_rules(horovodrun, tmp_path):
     script = tmp_path / "sums.py"
     script.write_text(
         "import os\n"
@@ -148,16 +155,14 @@ def test_allreduces_around_the_switch_sum_exactly_under_the_rules(tmp_path):
         "    expected = (np.arange(count) % 1000).astype(np.float32) * sum(range(1, hvd.size() + 1))\n"
         "    assert np.array_equal(total, expected), (count, np.flatnonzero(total != expected)[:5])\n"
         "    print(f'rank {hvd.rank()} count {count} exact', flush=True)\n")
-    finished = subprocess.run([str(VENV_BIN / "horovodrun"), "-np", "2", "--mpi", str(VENV_BIN / "python"), str(script)],
-                              capture_output=True, text=True, timeout=180,
-                              env=subprocess_env(**environment.openmpi_settings({})))
+    finished = run_two_ranks_under_mpi(horovodrun, script, COURSE_SETTINGS)
     assert finished.returncode == 0, finished.stdout + finished.stderr
     for rank in (0, 1):
         assert f"rank {rank} count 4194311 exact" in finished.stdout, finished.stdout
 
 
 @pytest.mark.slow
-def test_open_mpi_really_reads_the_rules_file(tmp_path):
+def test_open_mpi_really_reads_the_rules_file(horovodrun, tmp_path):
     # The same file with an algorithm Open MPI does not have for 1 MiB and up: if Open MPI reads the file (its
     # comments included) and applies the size switch, a 64 KiB allreduce still works and a 2 MiB one fails.
     broken_rules = tmp_path / "rules-with-no-such-algorithm.conf"
@@ -172,10 +177,8 @@ def test_open_mpi_really_reads_the_rules_file(tmp_path):
         "for name, count in (('small', 16_384), ('large', 524_288)):\n"
         "    total = np.asarray(hvd.allreduce(tf.ones(count), op=hvd.Sum, name=name))\n"
         "    print(f'rank {hvd.rank()} {name} {total[0]:.0f}', flush=True)\n")
-    settings = {**environment.openmpi_settings({}), "OMPI_MCA_coll_tuned_dynamic_rules_filename": str(broken_rules)}
-    finished = subprocess.run([str(VENV_BIN / "horovodrun"), "-np", "2", "--mpi", str(VENV_BIN / "python"),
-                               str(script)], capture_output=True, text=True, timeout=180,
-                              env=subprocess_env(**settings))
+    finished = run_two_ranks_under_mpi(
+        horovodrun, script, {**COURSE_SETTINGS, "OMPI_MCA_coll_tuned_dynamic_rules_filename": str(broken_rules)})
     output = finished.stdout + finished.stderr
     assert "rank 0 small 2" in output and "rank 1 small 2" in output, output
     assert finished.returncode != 0 and "large 2" not in output, output

@@ -18,7 +18,7 @@ from pathlib import Path
 from scalelab.environment import horovodrun_path
 
 from . import processes
-from .summary import spread
+from .summary import run_in_turn, spread
 
 SUBMISSION = processes.COURSE_ROOT / "tests" / "submissions" / "honest_small.py"
 TRACK_FILE = processes.COURSE_ROOT / "tests" / "submissions" / "tracks.toml"
@@ -63,14 +63,9 @@ def measure(out_dir: Path, *, repeats: int, log=print) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     bare, assessed, overhead, inside, outside, verdicts = [], [], [], [], [], []
     for repeat in range(repeats):
-        # Every other repeat runs the assess first, so that what the first run of a pair leaves behind (files in
-        # the page cache, a busier or quieter moment of the machine) favours neither side.
-        if repeat % 2 == 0:
-            bare_s = bare_run(out_dir / f"bare_{repeat}")
-            assess_s, verdict = assess_run(out_dir / f"assess_{repeat}", out_dir / "home")
-        else:
-            assess_s, verdict = assess_run(out_dir / f"assess_{repeat}", out_dir / "home")
-            bare_s = bare_run(out_dir / f"bare_{repeat}")
+        runs = run_in_turn({"bare": lambda: bare_run(out_dir / f"bare_{repeat}"),
+                            "assess": lambda: assess_run(out_dir / f"assess_{repeat}", out_dir / "home")}, repeat)
+        bare_s, (assess_s, verdict) = runs["bare"], runs["assess"]
         bare.append(bare_s)
         assessed.append(assess_s)
         overhead.append(assess_s - bare_s)

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from . import processes
-from .summary import spread
+from .summary import run_in_turn, spread
 
 # Under horovodrun every line starts with the rank's prefix: "[0]<stdout>:" (Gloo) or "[1,0]<stdout>:" (MPI).
 IMAGES_PER_S = re.compile(r"^(?:\[[\d,]+\]<stdout>:)?epoch (\d+)/\d+.*\bimg/s (\d+)", re.MULTILINE)
@@ -71,21 +71,18 @@ def measure(out_dir: Path, *, repeats: int, epochs: int, train_images: int, step
     out_dir.mkdir(parents=True, exist_ok=True)
     samples = {"bare": [], "serial": [], "horovod": []}
     p1, p2 = [], []
-    programs = {"bare": lambda tag: bare_step(out_dir, tag, [GLOBAL_BATCH], 3, steps=steps)[GLOBAL_BATCH],
-                "serial": lambda tag: serial_script(out_dir, tag, epochs, train_images),
-                "horovod": lambda tag: horovod_script(out_dir, tag, epochs, train_images)}
-    if not with_horovod:
-        del programs["horovod"]
     for repeat in range(repeats):
-        # Every other repeat runs the programs in reverse order, so a machine that speeds up or slows down
-        # during a repeat does not always favour the same side of a ratio.
-        order = list(programs) if repeat % 2 == 0 else list(reversed(programs))
-        rates = {name: programs[name](f"r{repeat}") for name in order}
+        tag = f"r{repeat}"
+        programs = {"bare": lambda: bare_step(out_dir, tag, [GLOBAL_BATCH], 3, steps=steps)[GLOBAL_BATCH],
+                    "serial": lambda: serial_script(out_dir, tag, epochs, train_images)}
+        if with_horovod:
+            programs["horovod"] = lambda: horovod_script(out_dir, tag, epochs, train_images)
+        rates = run_in_turn(programs, repeat)
         for name, rate in rates.items():
             samples[name].append(rate)
         medians = {name: statistics.median(rate) for name, rate in rates.items()}
         p1.append(medians["serial"] / medians["bare"])
-        line = f"  repeat {repeat + 1} ({' → '.join(order)}): bare {medians['bare']:.0f} img/s, " \
+        line = f"  repeat {repeat + 1} ({' → '.join(rates)}): bare {medians['bare']:.0f} img/s, " \
                f"course script {medians['serial']:.0f} img/s"
         if with_horovod:
             p2.append(medians["horovod"] / medians["serial"])
