@@ -14,7 +14,6 @@ import datetime as dt
 import os
 import re
 import resource
-import secrets
 import shutil
 import signal
 import subprocess
@@ -29,6 +28,8 @@ import psutil
 from scalelab import data as course_data
 from scalelab.environment import openmpi_settings
 
+from . import sandbox as sandbox_module
+
 # Limits for the submission's processes (per job); generous enough for TensorFlow's thread pools, since Linux
 # counts threads towards RLIMIT_NPROC.
 NPROC_LIMIT = 1024
@@ -38,9 +39,6 @@ LINE_CAP_BYTES = 16 << 10
 UNENDED_LINES_CAP = 64  # rank streams whose unended line is held back at once (memory stays bounded)
 KILL_AFTER_TERM_S = 5.0
 PROGRESS_INTERVAL_S = 2.0
-# Dedicated uids for sandboxed jobs when the grader runs as root: one per running job, so that the process
-# limit counts only that job's processes and no job can signal or read another's.
-SANDBOX_UID_RANGE = range(61000, 62000)
 # Never hidden, even if configured: the sandbox needs them to run anything.
 SYSTEM_PATHS = {Path(p) for p in ("/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/proc", "/dev",
                                   "/var", "/opt", "/tmp")}
@@ -124,10 +122,6 @@ def utc_now() -> str:
 # Preparing a job
 # ---------------------------------------------------------------------------------------------------------------
 
-def bwrap_path() -> str | None:
-    return shutil.which("bwrap")
-
-
 def horovodrun_path() -> str:
     beside_python = Path(sys.executable).with_name("horovodrun")
     found = str(beside_python) if beside_python.exists() else shutil.which("horovodrun")
@@ -140,16 +134,6 @@ def horovod_command(np: int, launcher: str, timeline_path: Path, options=()) -> 
     """The command the contract runs: horovodrun with the grader's own timeline, and no script arguments."""
     return [horovodrun_path(), "-np", str(np), f"--{launcher}", "--timeline-filename", str(timeline_path),
             *options, sys.executable, "assessment.py"]
-
-
-def software_paths() -> list[Path]:
-    """What the submission must be able to read: the Python installation, the venv and the course library."""
-    import scalelab
-    import scalelab.grader
-
-    paths = {Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(),
-             Path(scalelab.__file__).resolve().parent, Path(scalelab.grader.__file__).resolve().parent}
-    return sorted(paths)
 
 
 def data_paths_to_hide(dataset_dirs) -> list[Path]:
@@ -180,29 +164,6 @@ def stage_training_data(dataset: str, job_dir: Path) -> tuple[str, Path]:
                                 "sudo apt-get install dataset-fashion-mnist")
 
 
-_uids_in_use: set[int] = set()
-_uids_lock = threading.Lock()
-
-
-def allocate_sandbox_uid() -> int | None:
-    """A uid from SANDBOX_UID_RANGE that no process uses now (None when the grader is not root)."""
-    if os.geteuid() != 0:
-        return None
-    busy = {process.info["uids"].real for process in psutil.process_iter(["uids"]) if process.info["uids"]}
-    with _uids_lock:
-        free = [uid for uid in SANDBOX_UID_RANGE if uid not in busy and uid not in _uids_in_use]
-        if not free:
-            raise LaunchError("no free sandbox uid: too many jobs are running")
-        uid = free[secrets.randbelow(len(free))]
-        _uids_in_use.add(uid)
-        return uid
-
-
-def release_sandbox_uid(uid: int | None) -> None:
-    with _uids_lock:
-        _uids_in_use.discard(uid)
-
-
 def prepare_job(submission: Path, job_dir: Path, *, dataset: str, track_name: str, np: int, launcher: str,
                 launcher_options, time_budget_s: float, grace_s: float, logs_dir: Path,
                 hidden_paths, sandbox: bool = True) -> JobSpec:
@@ -215,7 +176,7 @@ def prepare_job(submission: Path, job_dir: Path, *, dataset: str, track_name: st
     data_variable, data_dir = stage_training_data(dataset, job_dir)
     timeline_path = job_dir / "timeline.json"
     logs_dir.mkdir(parents=True, exist_ok=True)
-    sandbox_uid = allocate_sandbox_uid() if sandbox else None
+    sandbox_uid = sandbox_module.allocate_uid() if sandbox else None
     if sandbox_uid is not None:
         # The submission owns its job directory and nothing else; 0700 keeps other jobs' uids out.
         for path in [job_dir, *job_dir.rglob("*")]:
@@ -248,7 +209,7 @@ def prepare_job(submission: Path, job_dir: Path, *, dataset: str, track_name: st
     return JobSpec(job_dir=job_dir, command=horovod_command(np, launcher, timeline_path, launcher_options),
                    env=env, np=np, time_budget_s=time_budget_s, grace_s=grace_s, logs_dir=logs_dir,
                    output_dir=output_dir, timeline_path=timeline_path, sandbox=sandbox, sandbox_uid=sandbox_uid,
-                   hidden_paths=[Path(p) for p in hidden_paths], readonly_paths=software_paths(),
+                   hidden_paths=[Path(p) for p in hidden_paths], readonly_paths=sandbox_module.software_paths(),
                    device_paths=devices)
 
 
@@ -270,7 +231,7 @@ def sandbox_argv(job: JobSpec) -> list[str]:
     """
     if not job.sandbox:
         return list(job.command)
-    bwrap = bwrap_path()
+    bwrap = sandbox_module.bwrap_path()
     if bwrap is None:
         raise LaunchError("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
     hidden = sorted({Path(p).resolve() for p in job.hidden_paths} - SYSTEM_PATHS, key=lambda p: len(p.parts))
@@ -305,22 +266,6 @@ def sandbox_argv(job: JobSpec) -> list[str]:
         argv += [shutil.which("setpriv") or "/usr/bin/setpriv", f"--reuid={job.sandbox_uid}",
                  f"--regid={job.sandbox_uid}", "--clear-groups", "--no-new-privs", "--inh-caps=-all"]
     return argv + list(job.command)
-
-
-def sandbox_works() -> str | None:
-    """None if bubblewrap can start a process with the grader's options here, else why it cannot."""
-    bwrap = bwrap_path()
-    if bwrap is None:
-        return "bubblewrap (bwrap) is not installed (apt-get install bubblewrap)"
-    try:
-        probe = subprocess.run([bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-net",
-                                "--unshare-pid", "--die-with-parent", "true"],
-                               capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        return f"bubblewrap could not start: {error}"
-    if probe.returncode != 0:
-        return f"bubblewrap could not start a sandbox here: {probe.stderr.strip()}"
-    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Callable
 from scalelab import __version__, data as course_data, environment
 
 from . import launch, spec, store, verify
+from . import sandbox as sandbox_module
 
 SUBMISSION_SIZE_LIMIT_BYTES = 1 << 20
 
@@ -138,7 +139,7 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
                 f"{getattr(error, 'msg', str(error))}. Run `python assessment.py` yourself before submitting."])
             return verdict
         sandbox = True
-        problem = launch.sandbox_works()
+        problem = sandbox_module.sandbox_works()
         if problem and not allow_unsandboxed:
             raise launch.LaunchError(f"{problem}; refusing to grade without a sandbox (an instructor may pass "
                                      f"--allow-unsandboxed to run submissions unconfined)")
@@ -154,7 +155,7 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
                                  time_budget_s=track.time_budget_s, grace_s=track.grace_s, logs_dir=logs_dir,
                                  hidden_paths=hidden, sandbox=sandbox)
         verdict["sandbox_uid"] = job.sandbox_uid
-        heldout = verify.HeldoutProcess(track.dataset)
+        heldout = verify.HeldoutProcess(track.dataset, sandboxed=sandbox)
         heldout.start_ahead()  # imports TensorFlow at idle priority while the run goes on
         try:
             if backend == "local":
@@ -165,15 +166,15 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
             else:
                 raise ValueError(f"unknown backend {backend!r}; known: local, slurm")
         finally:
-            launch.release_sandbox_uid(job.sandbox_uid)
+            sandbox_module.release_uid(job.sandbox_uid)
         verdict.update(wall_time_s=run.wall_time_s, exit_code=run.exit_code, epochs_seen=run.epochs_seen,
                        started_at=run.started_at)
         report({"state": "verifying", "elapsed_s": run.wall_time_s, "time_budget_s": track.time_budget_s,
                 "epochs_seen": run.epochs_seen, "latest_accuracy": None,
                 "checkpoint_mtime": None})
-        model_file = job.output_dir / "model.keras"
-        model = heldout.measure(model_file)
-        evidence = verify.timeline_evidence(job.timeline_path)
+        owner_uid = job.sandbox_uid if job.sandbox_uid is not None else os.getuid()
+        model = heldout.measure(job.job_dir, "output/model.keras", owner_uid)
+        evidence = verify.timeline_evidence(job.job_dir, job.timeline_path.name, owner_uid)
         verdict.update(heldout_accuracy=model.heldout_accuracy, trainable_variables=model.trainable_variables,
                        ranks_seen=evidence.ranks_seen, allreduce_count=evidence.allreduce_count,
                        allreduced_tensors=evidence.allreduced_tensors, active_deciles=evidence.active_deciles)
@@ -184,8 +185,8 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
         if run.survivors_killed:
             verdict["notes"].append(f"{run.survivors_killed} processes of the run outlived horovodrun and were "
                                     f"killed by the grader.")
-        if model_file.is_file() and verify.check_model_file(model_file) is None:
-            shutil.copyfile(model_file, out_dir / "model.keras")
+        if heldout.checked_model is not None:  # the grader's own copy, never the run's file itself
+            shutil.copyfile(heldout.checked_model, out_dir / "model.keras")
             verdict["model_path"] = str(out_dir / "model.keras")
     except Exception as error:  # the grader's own failure: still a verdict, with the reason
         verdict["verdict"] = "error"

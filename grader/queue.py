@@ -438,8 +438,9 @@ class GradingWorkers:
         job_dir = Path(job["job_dir"])
         with open(job_dir / "grader.stdout", "wb") as stdout, open(job_dir / "grader.stderr", "wb") as stderr:
             # Own session: the grader and its horovodrun can be stopped as one tree, apart from the server.
+            # Not in the job directory: it holds the student's file, and Python imports from the cwd.
             popen = subprocess.Popen(self.grader_argv(job), stdin=subprocess.DEVNULL, stdout=stdout,
-                                     stderr=stderr, cwd=job_dir, env=self.settings.environment,
+                                     stderr=stderr, cwd="/", env=self.settings.environment,
                                      start_new_session=True)
         with self._running_lock:
             self._running[job["id"]] = popen

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scalelab.grader import launch
+from scalelab.grader import launch, sandbox
 
 
 def make_job(tmp_path: Path, hidden, command, sandbox_uid=None) -> launch.JobSpec:
@@ -17,7 +17,7 @@ def make_job(tmp_path: Path, hidden, command, sandbox_uid=None) -> launch.JobSpe
     return launch.JobSpec(job_dir=job_dir, command=command, env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"}, np=1,
                           time_budget_s=30, grace_s=1, logs_dir=tmp_path / "logs", output_dir=job_dir / "output",
                           timeline_path=job_dir / "timeline.json", sandbox_uid=sandbox_uid, hidden_paths=hidden,
-                          readonly_paths=launch.software_paths())
+                          readonly_paths=sandbox.software_paths())
 
 
 def test_sandbox_hides_secrets_and_other_jobs_but_not_the_job_or_the_software(tmp_path):
