@@ -12,6 +12,9 @@ Rules the queue keeps:
 
 - **One active job per student**: a second submit while one is queued or running returns that job (a partial
   unique index makes this hold even for concurrent submits).
+- **A pause between submissions**: a new job of a student is refused (:class:`TooSoon`, with the seconds left)
+  until ``min_seconds_between_submissions`` have passed since that student's previous one; checked in the same
+  transaction as the submit, so it holds across servers sharing the database.
 - **FIFO across students**: workers always claim the oldest queued job (ids are assigned in arrival order).
 - **Slots**: one worker thread per slot and one job per worker, so at most ``slots`` jobs run at once.
 - **Restart safety**: a job found ``running`` when a server starts, left by a server of this host that is gone
@@ -23,6 +26,11 @@ Rules the queue keeps:
   running jobs ``interrupted`` at exit.
 - **Progress** (``progress.json``, written by the grader: elapsed time vs budget, epochs seen, latest
   accuracy, checkpoint time) is copied to the job for display only; the verdict is always the grader's.
+- **Disk**: job directories and the files the service writes in them are private to the server's account
+  (0700/0600). The model a run wrote (``<job_dir>/grader/model.keras``, up to 200 MiB) is kept only when the
+  stored verdict is a pass. :class:`JobRetention` removes a student's oldest job directories beyond a count or a
+  byte quota; the database rows and verdicts stay, and the directory of a queued or running job (or of a job
+  whose grader still runs) is never removed.
 
 States: ``queued`` → ``running`` → ``done`` (with the verdict JSON) or ``interrupted`` (with a reason).
 """
@@ -32,6 +40,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -47,10 +56,22 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 QUEUED, RUNNING, DONE, INTERRUPTED = "queued", "running", "done", "interrupted"
 ACTIVE_STATES = (QUEUED, RUNNING)
+# The largest id every supported database's INTEGER column holds (Postgres: 32 bits); beyond it no job exists,
+# and SQLite would raise OverflowError instead of finding nothing.
+MAX_JOB_ID = 2**31 - 1
 
 
 class QueueFull(Exception):
     """The queue already holds ``max_queued`` waiting jobs."""
+
+
+class TooSoon(Exception):
+    """The student submitted less than ``min_seconds_between_submissions`` ago."""
+
+    def __init__(self, wait_s: float, min_seconds_between_submissions: float):
+        super().__init__(wait_s)
+        self.wait_s = wait_s
+        self.min_seconds_between_submissions = min_seconds_between_submissions
 
 
 class Base(DeclarativeBase):
@@ -146,15 +167,25 @@ class AssessQueue:
     # --- students ---------------------------------------------------------------------------------------
 
     def submit(self, *, student: str, track: str, backend: str, job_dir: Path, submission_path: str,
-               submission_sha256: str, max_queued: int) -> tuple[dict, bool]:
+               submission_sha256: str, max_queued: int,
+               min_seconds_between_submissions: float = 0.0) -> tuple[dict, bool]:
         """Queue a job; returns (job, created). created is False when the student already had an active job
-        (that job is returned and nothing is queued). Raises QueueFull."""
+        (that job is returned and nothing is queued). Raises TooSoon, then QueueFull."""
         for _attempt in range(3):
             try:
                 with self.sessions.begin() as session:
                     active = self._active_job(session, student)
                     if active is not None:
                         return active.as_dict(), False
+                    if min_seconds_between_submissions > 0:
+                        last = session.scalar(select(func.max(AssessJob.submitted_at))
+                                              .where(AssessJob.student == student))
+                        if last is not None:
+                            # Capped: a clock set back must not lock the student out for longer.
+                            wait_s = min(last + min_seconds_between_submissions - time.time(),
+                                         min_seconds_between_submissions)
+                            if wait_s > 0:
+                                raise TooSoon(wait_s, min_seconds_between_submissions)
                     waiting = session.scalar(select(func.count()).where(AssessJob.state == QUEUED))
                     if waiting >= max_queued:
                         raise QueueFull(waiting)
@@ -173,12 +204,16 @@ class AssessQueue:
                                                       AssessJob.state.in_(ACTIVE_STATES)))
 
     def get(self, job_id: int) -> dict | None:
+        if not 1 <= job_id <= MAX_JOB_ID:
+            return None
         with self.sessions() as session:
             job = session.get(AssessJob, job_id)
             return job.as_dict() if job else None
 
     def position(self, job_id: int) -> int | None:
         """1 for the next job to start; None when the job is not queued."""
+        if not 1 <= job_id <= MAX_JOB_ID:
+            return None
         with self.sessions() as session:
             job = session.get(AssessJob, job_id)
             if job is None or job.state != QUEUED:
@@ -191,6 +226,14 @@ class AssessQueue:
             jobs = session.scalars(select(AssessJob).where(AssessJob.student == student)
                                    .order_by(AssessJob.id.desc()).limit(limit))
             return [job.as_dict() for job in jobs]
+
+    def job_directories(self, student: str) -> list[dict]:
+        """The student's jobs, newest first, with what deciding on their directories needs (no verdicts)."""
+        with self.sessions() as session:
+            rows = session.execute(
+                select(AssessJob.id, AssessJob.state, AssessJob.job_dir, AssessJob.grader_pid,
+                       AssessJob.grader_created).where(AssessJob.student == student).order_by(AssessJob.id.desc()))
+            return [row._asdict() for row in rows]
 
     def all_jobs(self) -> list[dict]:
         with self.sessions() as session:
@@ -336,14 +379,77 @@ def grader_out_dir(job_dir: Path) -> Path:
     return Path(job_dir) / "grader"
 
 
+def model_file(job_dir: Path) -> Path:
+    return grader_out_dir(job_dir) / "model.keras"
+
+
+def open_private(path: Path, mode: str):
+    """``open`` for a new file only the server's account can read (0600 whatever the umask)."""
+    return open(path, mode, opener=lambda name, flags: os.open(name, flags, 0o600))
+
+
+def is_pass(job: dict | None) -> bool:
+    return bool(job) and job["state"] == DONE and (job["verdict"] or {}).get("verdict") == "pass"
+
+
+def directory_bytes(path: Path) -> int:
+    """Bytes in the files under ``path`` (links counted as links, never followed)."""
+    total = 0
+    for folder, _subfolders, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+@dataclass
+class JobRetention:
+    """How much of a student's finished jobs stays on disk; their rows and verdicts stay in the database."""
+    jobs_root: Path
+    keep_jobs_per_student: int = 20  # 0: no limit
+    disk_quota_bytes_per_student: int = 0  # 0: no limit
+
+    def prune(self, queue: AssessQueue, student: str) -> list[Path]:
+        """Remove the student's oldest job directories beyond the count, then beyond the quota; returns them."""
+        root = os.path.realpath(self.jobs_root)
+        on_disk = [job for job in queue.job_directories(student)  # newest first
+                   if os.path.dirname(os.path.realpath(job["job_dir"])) == root and os.path.isdir(job["job_dir"])]
+        doomed, kept = [], []
+        for index, job in enumerate(on_disk):
+            beyond_count = 0 < self.keep_jobs_per_student <= index
+            (doomed if beyond_count and _removable(job) else kept).append(job)
+        if self.disk_quota_bytes_per_student > 0:
+            sizes = {job["id"]: directory_bytes(job["job_dir"]) for job in kept}
+            total = sum(sizes.values())
+            for job in reversed(kept):  # oldest first
+                if total <= self.disk_quota_bytes_per_student:
+                    break
+                if _removable(job):
+                    doomed.append(job)
+                    total -= sizes[job["id"]]
+        for job in doomed:
+            shutil.rmtree(job["job_dir"], ignore_errors=True)
+        return [Path(job["job_dir"]) for job in doomed]
+
+
+def _removable(job: dict) -> bool:
+    # States only move forward, so a finished job never becomes active again; a grader that outlived its
+    # job (a server stopped under it) may still be writing there.
+    return job["state"] not in ACTIVE_STATES and grader_process(job) is None
+
+
 class GradingWorkers:
     """``slots`` threads, each claiming the oldest queued job and grading it with ``scalelab assess``."""
 
-    def __init__(self, queue: AssessQueue, settings: GraderSettings, slots: int, log=None):
+    def __init__(self, queue: AssessQueue, settings: GraderSettings, slots: int, log=None,
+                 retention: JobRetention | None = None):
         if slots < 1:
             raise ValueError(f"slots must be at least 1, not {slots}")
         self.queue, self.settings, self.slots = queue, settings, slots
         self.log = log
+        self.retention = retention
         self.host, self.server_pid = socket.gethostname(), os.getpid()
         self._stopping = threading.Event()
         self.stop_reason = ""
@@ -372,6 +478,7 @@ class GradingWorkers:
                     f"Interrupted: the Jupyter server stopped while this assessment was running (it started at "
                     f"{started}), so it was not graded. Nothing was recorded as a result; click Assess to "
                     f"submit it again."))
+            self._tidy(job)
             settled.append(self.queue.get(job["id"]))
         return settled
 
@@ -424,6 +531,7 @@ class GradingWorkers:
                 self._say(f"job {job['id']}: {type(error).__name__}: {error}")
                 self.queue.finish(job["id"], service_error_verdict(
                     job, f"the Assess service could not run the grader: {type(error).__name__}: {error}"))
+            self._tidy(job)
 
     def grader_argv(self, job: dict) -> list[str]:
         argv = [*self.settings.command, "assess", str(submission_copy(job["job_dir"])), "--track", job["track"],
@@ -436,7 +544,8 @@ class GradingWorkers:
 
     def _grade(self, job: dict) -> None:
         job_dir = Path(job["job_dir"])
-        with open(job_dir / "grader.stdout", "wb") as stdout, open(job_dir / "grader.stderr", "wb") as stderr:
+        with open_private(job_dir / "grader.stdout", "wb") as stdout, \
+                open_private(job_dir / "grader.stderr", "wb") as stderr:
             # Own session: the grader and its horovodrun can be stopped as one tree, apart from the server.
             # Not in the job directory: it holds the student's file, and Python imports from the cwd.
             popen = subprocess.Popen(self.grader_argv(job), stdin=subprocess.DEVNULL, stdout=stdout,
@@ -487,6 +596,16 @@ class GradingWorkers:
             if ended:
                 return
             time.sleep(self.settings.poll_interval_s)
+
+    def _tidy(self, job: dict) -> None:
+        """Once a job has ended: its model stays only with a stored pass; then the student's retention."""
+        try:
+            if not is_pass(self.queue.get(job["id"])):
+                model_file(job["job_dir"]).unlink(missing_ok=True)
+            if self.retention is not None:
+                self.retention.prune(self.queue, job["student"])
+        except Exception as error:  # a full or failing disk must not stop the worker
+            self._say(f"job {job['id']}: could not tidy its files: {type(error).__name__}: {error}")
 
     def _say(self, message: str) -> None:
         if self.log is not None:

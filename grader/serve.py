@@ -5,7 +5,9 @@ all under ``/scalelab/api/`` and guarded by Jupyter's own authentication:
 
 - ``GET  /scalelab/api/service``            what the service grades (track, budget, target, slots) and queue counts
 - ``POST /scalelab/api/assessments``        submit: copies the student's ``assessment/assessment.py`` now
-                                            (201 with a new job; 200 with the student's active job, if any)
+                                            (201 with a new job; 200 with the student's active job, if any;
+                                            429 with ``Retry-After`` sooner than ``min_seconds_between_submissions``
+                                            after the student's previous submission)
 - ``GET  /scalelab/api/assessments``        the student's history, newest first
 - ``GET  /scalelab/api/assessments/<id>``   one job: queued (+ position), running (+ progress), done (+ verdict)
                                             or interrupted (+ reason)
@@ -14,10 +16,17 @@ Grading happens in the server's worker threads (``GradingWorkers``), each runnin
 process: never in the student's kernel. Settings are traitlets config on ``AssessService`` (see its traits), e.g.
 ``--AssessService.slots=2 --AssessService.track=fashion-mnist-cpu``.
 
+What a student sees of a job is an allow-list (``public_view``): no server paths, host names, uids or
+environment, and server paths or the host name inside messages are replaced by placeholders. Job directories
+are private to the server's account (0700, files 0600); a student's older ones are removed from disk beyond
+``keep_jobs_per_student`` or ``disk_quota_bytes_per_student`` (the verdicts stay in the database), and a run's
+model is kept only for a pass.
+
 Who the student is: Jupyter's current user. On a single-user server (``make lab``) Jupyter's stock identity
 provider names every token-authenticated request as a fresh anonymous user, so there the student is the
 server's owner (``student_identity = "auto"``); behind JupyterHub or any other identity provider it is the
-user's name.
+user's name. ``student_identity = "jupyter-user"`` with a stock provider is refused at start-up: every request
+would be a new student, and the one-active-job and rate-limit rules would hold for nobody.
 """
 
 from __future__ import annotations
@@ -25,8 +34,10 @@ from __future__ import annotations
 import atexit
 import getpass
 import hashlib
+import math
 import re
 import shutil
+import socket
 import uuid
 from pathlib import Path
 
@@ -41,21 +52,36 @@ from traitlets.config import LoggingConfigurable
 from scalelab.runtime import usable_cores
 
 from . import commands, pipeline, spec, store
-from .queue import (DONE, INTERRUPTED, QUEUED, RUNNING, AssessQueue, GraderSettings, GradingWorkers, QueueFull,
-                    sqlite_url)
+from .queue import (DONE, INTERRUPTED, MAX_JOB_ID, QUEUED, RUNNING, AssessQueue, GraderSettings, GradingWorkers,
+                    JobRetention, QueueFull, TooSoon, open_private, sqlite_url)
 
 API_PREFIX = "scalelab/api"
 SERVICE_SETTINGS_KEY = "scalelab_assess_service"
 # Jupyter's stock providers: a token names no person, so every request would be a new "Anonymous" user.
 ANONYMOUS_IDENTITY_PROVIDERS = (IdentityProvider, PasswordIdentityProvider)
 
+# What a student may see: allow-lists, so that a field added to the job or the verdict later stays private
+# until someone decides otherwise.
+JOB_FIELDS_FOR_STUDENTS = ("id", "student", "state", "track", "submission_sha256", "submitted_at", "started_at",
+                           "finished_at", "reason")
+VERDICT_FIELDS_FOR_STUDENTS = (
+    "verdict", "reasons", "notes", "heldout_accuracy", "target_accuracy", "wall_time_s", "time_budget_s", "np",
+    "ranks_seen", "allreduce_count", "allreduced_tensors", "active_deciles", "trainable_variables", "epochs_seen",
+    "exit_code", "track", "dataset", "submission_sha256", "student", "started_at", "finished_at", "backend",
+    "sandboxed", "grader_version", "witnesses")
+PROGRESS_FIELDS_FOR_STUDENTS = ("state", "elapsed_s", "time_budget_s", "epochs_seen", "latest_accuracy",
+                                "checkpoint_mtime", "verdict", "slurm_job_id", "slurm_state", "slurm_reason",
+                                "queue_position")
+PROGRESS_POINT_FIELDS_FOR_STUDENTS = ("elapsed_s", "accuracy", "epochs_seen")
+
 
 class SubmissionProblem(Exception):
     """The student's file cannot be submitted; the message is a sentence for the student."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retry_after_s: int | None = None):
         super().__init__(message)
         self.status = status
+        self.retry_after_s = retry_after_s
 
 
 def _slots_for_machine(track: spec.Track) -> int:
@@ -100,9 +126,24 @@ class AssessService(LoggingConfigurable):
         "the server), or 'auto': the owner when Jupyter's stock identity provider is in use (its token users "
         "are anonymous), else the Jupyter user."))
     poll_interval_s = Float(1.0, config=True, help="How often workers look for jobs and read progress.")
+    min_seconds_between_submissions = Float(30.0, config=True, help=(
+        "Seconds a student waits after a submission before the next one is accepted (429 before then); a click "
+        "while their job is queued or running still shows that job. 0: no wait."))
+    keep_jobs_per_student = Int(20, config=True, help=(
+        "Job directories kept on disk per student; older ones are removed (their verdicts stay in the "
+        "database). 0: keep all."))
+    disk_quota_bytes_per_student = Int(1 << 30, config=True, help=(
+        "Bytes a student's job directories may take; beyond it the oldest are removed first (their verdicts "
+        "stay in the database). A queued or running job's directory is never removed. 0: no quota."))
 
     def __init__(self, root_dir: str, identity_provider=None, **kwargs):
         super().__init__(**kwargs)
+        if self.student_identity == "jupyter-user" and type(identity_provider) in ANONYMOUS_IDENTITY_PROVIDERS:
+            raise ValueError(
+                f"AssessService.student_identity = 'jupyter-user' cannot be used with Jupyter's stock identity "
+                f"provider ({type(identity_provider).__name__}): it names every token request as a new anonymous "
+                f"user, so one student could queue any number of jobs. Use student_identity = 'auto' or "
+                f"'server-owner', or an identity provider that names its users (JupyterHub's).")
         self.root_dir = Path(root_dir).resolve()
         self.identity_provider = identity_provider
         self.track_name = self.track or None
@@ -111,12 +152,16 @@ class AssessService(LoggingConfigurable):
         home = store.scalelab_home() / "assess"
         self.jobs_root = Path(self.jobs_dir) if self.jobs_dir else home / "jobs"
         self.jobs_root.mkdir(parents=True, exist_ok=True)
+        self.jobs_root.chmod(0o700)  # students' files and grader output: not for other accounts
         self.queue = AssessQueue(self.database_url or sqlite_url(home / "queue.db"))
         self.slot_count = self.slots if self.slots > 0 else _slots_for_machine(self.track_spec)
+        self.retention = JobRetention(self.jobs_root, keep_jobs_per_student=self.keep_jobs_per_student,
+                                      disk_quota_bytes_per_student=self.disk_quota_bytes_per_student)
         self.workers = GradingWorkers(self.queue, GraderSettings(
             track=self.track_name, track_file=self.tracks_file or None, backend=self.backend,
             allow_unsandboxed=self.allow_unsandboxed, poll_interval_s=self.poll_interval_s),
-            slots=self.slot_count, log=self.log)
+            slots=self.slot_count, log=self.log, retention=self.retention)
+        self._private_texts = _private_text_patterns(self.jobs_root, store.scalelab_home())
         self._stopped = False
 
     # --- life cycle -----------------------------------------------------------------------------------------
@@ -168,11 +213,12 @@ class AssessService(LoggingConfigurable):
             raise SubmissionProblem(400, f"{shown} is {size} bytes, over the "
                                          f"{pipeline.SUBMISSION_SIZE_LIMIT_BYTES} byte limit for a submission.")
         job_dir = self.jobs_root / uuid.uuid4().hex
-        job_dir.mkdir(parents=True)
+        job_dir.mkdir(mode=0o700)
         try:
             # The copy, made now, is what gets graded: later edits do not change a queued job.
             copy = job_dir / "assessment.py"
-            shutil.copyfile(source, copy)
+            with open(source, "rb") as original, open_private(copy, "xb") as private_copy:
+                shutil.copyfileobj(original, private_copy)
             try:
                 commands.check_submission_file(copy)
             except commands.UsageError as error:
@@ -181,7 +227,14 @@ class AssessService(LoggingConfigurable):
             job, created = self.queue.submit(
                 student=student, track=self.track_name, backend=self.backend, job_dir=job_dir,
                 submission_path=str(source), submission_sha256=hashlib.sha256(copy.read_bytes()).hexdigest(),
-                max_queued=self.max_queued)
+                max_queued=self.max_queued, min_seconds_between_submissions=self.min_seconds_between_submissions)
+        except TooSoon as too_soon:
+            shutil.rmtree(job_dir, ignore_errors=True)
+            wait_s = max(1, math.ceil(too_soon.wait_s))
+            raise SubmissionProblem(429, (
+                f"Please wait {wait_s} more second{'s' if wait_s != 1 else ''} before clicking Assess again: "
+                f"each student may submit once every {too_soon.min_seconds_between_submissions:g} seconds."),
+                retry_after_s=wait_s) from None
         except QueueFull as full:
             shutil.rmtree(job_dir, ignore_errors=True)
             raise SubmissionProblem(503, f"The Assess queue is full ({full.args[0]} submissions are waiting); "
@@ -191,9 +244,16 @@ class AssessService(LoggingConfigurable):
             raise
         if created:
             self.workers.wake()
+            self._prune(student)
         else:
             shutil.rmtree(job_dir, ignore_errors=True)
         return self.public_view(job), created
+
+    def _prune(self, student: str) -> None:
+        try:
+            self.retention.prune(self.queue, student)
+        except Exception as error:  # the job is queued; old directories can wait for the next chance
+            self.log.warning("scalelab assess: could not prune the job directories of %s: %s", student, error)
 
     def job(self, student: str, job_id: int) -> dict | None:
         job = self.queue.get(job_id)
@@ -205,21 +265,57 @@ class AssessService(LoggingConfigurable):
         return [self.public_view(job, with_position=False) for job in self.queue.history(student)]
 
     def public_view(self, job: dict, with_position: bool = True) -> dict:
-        """What a student may see of a job (no server paths or process ids)."""
-        view = {key: job[key] for key in ("id", "student", "state", "track", "submission_sha256", "submitted_at",
-                                          "started_at", "finished_at", "reason")}
+        """What a student may see of a job: allow-listed fields, with server paths and host name masked."""
+        view = {key: job[key] for key in JOB_FIELDS_FOR_STUDENTS}
         view["time_budget_s"] = self.track_spec.time_budget_s if job["track"] == self.track_name else None
         view["position"] = self.queue.position(job["id"]) if with_position and job["state"] == QUEUED else None
-        view["progress"] = job["progress"] if job["state"] in (RUNNING, DONE, INTERRUPTED) else None
-        view["progress_history"] = job["progress_history"]
-        view["verdict"] = job["verdict"] if job["state"] == DONE else None
-        return view
+        progress = job["progress"] if job["state"] in (RUNNING, DONE, INTERRUPTED) else None
+        view["progress"] = _allowed(progress, PROGRESS_FIELDS_FOR_STUDENTS)
+        view["progress_history"] = [_allowed(point, PROGRESS_POINT_FIELDS_FOR_STUDENTS)
+                                    for point in job["progress_history"] if isinstance(point, dict)]
+        view["verdict"] = _allowed(job["verdict"], VERDICT_FIELDS_FOR_STUDENTS) if job["state"] == DONE else None
+        return _masked(view, self._private_texts)
 
     def describe(self) -> dict:
         return {"track": self.track_name, "dataset": self.track_spec.dataset,
                 "target_accuracy": self.track_spec.target_accuracy, "time_budget_s": self.track_spec.time_budget_s,
                 "slots": self.slot_count, "backend": self.backend, "max_queued": self.max_queued,
-                "submission_path": self.submission_path, "counts": self.queue.counts()}
+                "submission_path": self.submission_path,
+                "min_seconds_between_submissions": self.min_seconds_between_submissions,
+                "counts": self.queue.counts()}
+
+
+def _allowed(record: dict | None, fields: tuple[str, ...]) -> dict | None:
+    if not isinstance(record, dict):
+        return None
+    return {key: record[key] for key in fields if key in record}
+
+
+def _private_text_patterns(jobs_root: Path, scalelab_home: Path) -> list[tuple[re.Pattern, str]]:
+    """Server paths (as given and resolved, longest first) and the host name, with what a student sees instead."""
+    paths = {}
+    for path, placeholder in ((scalelab_home, "<scalelab home>"), (jobs_root, "<assess jobs>")):
+        for form in {str(path), str(Path(path).resolve())}:
+            if form not in ("", "/", "."):
+                paths[form] = placeholder
+    patterns = [(re.compile(re.escape(form)), paths[form]) for form in sorted(paths, key=len, reverse=True)]
+    host = socket.gethostname()
+    if host:
+        patterns.append((re.compile(rf"(?<![\w.-]){re.escape(host)}(?![\w-])"), "<server>"))
+    return patterns
+
+
+def _masked(value, patterns: list[tuple[re.Pattern, str]]):
+    """``value`` with every string in it (keys included) stripped of the server's private text."""
+    if isinstance(value, str):
+        for pattern, placeholder in patterns:
+            value = pattern.sub(placeholder, value)
+        return value
+    if isinstance(value, dict):
+        return {_masked(key, patterns): _masked(item, patterns) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_masked(item, patterns) for item in value]
+    return value
 
 
 class AssessHandler(APIHandler):
@@ -255,7 +351,13 @@ class AssessmentsHandler(AssessHandler):
         try:
             job, created = await self.blocking(self.service.submit, self.student)
         except SubmissionProblem as problem:
-            raise web.HTTPError(problem.status, str(problem)) from None
+            if problem.retry_after_s is None:
+                raise web.HTTPError(problem.status, str(problem)) from None
+            # Written here: send_error would drop the Retry-After header.
+            self.set_status(problem.status)
+            self.set_header("Retry-After", str(problem.retry_after_s))
+            self.finish({"message": str(problem), "reason": None})
+            return
         self.set_status(201 if created else 200)
         self.finish({"job": job, "created": created})
 
@@ -263,7 +365,9 @@ class AssessmentsHandler(AssessHandler):
 class AssessmentHandler(AssessHandler):
     @web.authenticated
     async def get(self, job_id: str):
-        job = await self.blocking(self.service.job, self.student, int(job_id))
+        # More digits than any id has never name a job (and Python refuses to convert thousands of them).
+        job = (await self.blocking(self.service.job, self.student, int(job_id))
+               if len(job_id) <= len(str(MAX_JOB_ID)) else None)
         if job is None:
             raise web.HTTPError(404, f"There is no assessment {job_id} of yours.")
         self.finish(job)
@@ -285,7 +389,7 @@ def _load_jupyter_server_extension(serverapp):
     serverapp.web_app.add_handlers(".*$", [
         (url_path_join(base, "service"), ServiceHandler),
         (url_path_join(base, "assessments"), AssessmentsHandler),
-        (url_path_join(base, r"assessments/(\d+)"), AssessmentHandler),
+        (url_path_join(base, r"assessments/([0-9]+)"), AssessmentHandler),
     ])
     serverapp.log.info("scalelab assess service at %s", base)
 

@@ -6,7 +6,9 @@ import json
 import multiprocessing
 import os
 import socket
+import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import psutil
 import pytest
 
 from scalelab.grader.queue import (DONE, INTERRUPTED, QUEUED, RUNNING, AssessQueue, GraderSettings, GradingWorkers,
-                                   QueueFull, sqlite_url)
+                                   JobRetention, QueueFull, TooSoon, sqlite_url)
 
 FAST_SUBMISSION = Path(__file__).parent / "submissions" / "service" / "syntax_error_fast.py"
 TEST_TRACKS = Path(__file__).parent / "submissions" / "tracks.toml"
@@ -186,3 +188,128 @@ def test_workers_grade_with_the_real_grader_and_store_its_verdict(queue, tmp_pat
     assert stored["verdict"]["verdict"] == "fail" and stored["verdict"]["student"] == "ana"
     assert stored["progress"]["state"] == "done"
     assert (tmp_path / "job" / "grader" / "verdict.json").exists()
+
+
+def test_an_id_beyond_the_databases_integer_range_is_no_job(queue, tmp_path):
+    job, _ = submit(queue, "a", tmp_path / "a")
+    for job_id in (99999999999999999999, 2**63, 2**31, 0, -1):
+        assert queue.get(job_id) is None and queue.position(job_id) is None
+    assert queue.get(job["id"])["student"] == "a"
+
+
+def test_a_new_submit_sooner_than_the_minimum_interval_is_refused_with_the_seconds_left(queue, tmp_path):
+    first, _ = submit(queue, "ana", tmp_path / "a1")
+    # While the job is active a click still shows it: the interval does not apply.
+    again, created = queue.submit(student="ana", track="t", backend="local", job_dir=tmp_path / "a2",
+                                  submission_path="x", submission_sha256="0" * 64, max_queued=10,
+                                  min_seconds_between_submissions=3600)
+    assert not created and again["id"] == first["id"]
+    queue.claim_next("host", os.getpid())
+    queue.finish(first["id"], {"verdict": "fail"})
+    with pytest.raises(TooSoon) as too_soon:
+        queue.submit(student="ana", track="t", backend="local", job_dir=tmp_path / "a3", submission_path="x",
+                     submission_sha256="0" * 64, max_queued=10, min_seconds_between_submissions=3600)
+    assert 3500 < too_soon.value.wait_s <= 3600
+    assert [job["id"] for job in queue.all_jobs()] == [first["id"]]
+    _other, created = queue.submit(student="ben", track="t", backend="local", job_dir=tmp_path / "b1",
+                                  submission_path="x", submission_sha256="0" * 64, max_queued=10,
+                                  min_seconds_between_submissions=3600)
+    assert created, "the interval is per student"
+
+
+FAKE_GRADER = '''
+import json, sys
+from pathlib import Path
+submission, out = Path(sys.argv[2]), Path(sys.argv[sys.argv.index("--out") + 1])
+out.mkdir(parents=True)
+(out / "model.keras").write_bytes(b"model" * 1000)
+verdict = "pass" if "passes" in submission.read_text() else "fail"
+(out / "verdict.json").write_text(json.dumps({"verdict": verdict, "reasons": [], "notes": []}))
+'''
+
+
+def test_workers_keep_the_model_only_for_a_pass_and_write_private_logs(queue, tmp_path):
+    fake_grader = tmp_path / "fake_grader.py"
+    fake_grader.write_text(FAKE_GRADER)
+    jobs = {}
+    for student, source in (("ana", "# fails\n"), ("ben", "# passes\n")):
+        job_dir = tmp_path / "jobs" / student
+        job_dir.mkdir(parents=True)
+        (job_dir / "assessment.py").write_text(source)
+        jobs[student] = submit(queue, student, job_dir)[0]
+    workers = GradingWorkers(queue, GraderSettings(track="fashion-mnist-test", poll_interval_s=0.1,
+                                                   command=[sys.executable, str(fake_grader)]), slots=1)
+    workers.start()
+    try:
+        deadline = time.monotonic() + 60
+        while any(queue.get(job["id"])["state"] != DONE for job in jobs.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        workers.stop()  # joins the worker, so its tidying after the last verdict is done too
+    assert [queue.get(job["id"])["verdict"]["verdict"] for job in jobs.values()] == ["fail", "pass"]
+    assert not (tmp_path / "jobs" / "ana" / "grader" / "model.keras").exists()
+    assert (tmp_path / "jobs" / "ana" / "grader" / "verdict.json").exists()
+    assert (tmp_path / "jobs" / "ben" / "grader" / "model.keras").exists()
+    for student in jobs:
+        for log in ("grader.stdout", "grader.stderr"):
+            assert stat.S_IMODE((tmp_path / "jobs" / student / log).stat().st_mode) == 0o600
+
+
+def finished_job(queue: AssessQueue, student: str, job_dir: Path, size_bytes: int = 0) -> dict:
+    job, created = submit(queue, student, job_dir)
+    assert created
+    (job_dir / "payload").write_bytes(b"x" * size_bytes)
+    queue.claim_next("host", os.getpid())
+    queue.finish(job["id"], {"verdict": "fail", "reasons": []})
+    return job
+
+
+def test_retention_removes_a_students_oldest_job_directories_and_keeps_their_verdicts(queue, tmp_path):
+    jobs_root = tmp_path / "jobs"
+    ana = [finished_job(queue, "ana", jobs_root / f"ana{number}") for number in range(4)]
+    ben = finished_job(queue, "ben", jobs_root / "ben0")
+    outside = finished_job(queue, "cy", tmp_path / "elsewhere")
+    finished_job(queue, "cy", jobs_root / "cy1")
+    active, _ = submit(queue, "ana", jobs_root / "ana-active")
+
+    removed = JobRetention(jobs_root, keep_jobs_per_student=2).prune(queue, "ana")
+    assert sorted(path.name for path in removed) == ["ana0", "ana1", "ana2"]
+    assert sorted(path.name for path in jobs_root.iterdir()) == ["ana-active", "ana3", "ben0", "cy1"]
+    assert all(queue.get(job["id"])["verdict"]["verdict"] == "fail" for job in ana)  # rows and verdicts stay
+    assert queue.get(active["id"])["state"] == QUEUED
+
+    JobRetention(jobs_root, keep_jobs_per_student=1).prune(queue, "cy")
+    assert Path(outside["job_dir"]).is_dir(), "a directory outside the jobs root is never removed"
+    assert Path(ben["job_dir"]).is_dir()
+
+
+def test_the_quota_removes_the_oldest_first_and_never_an_active_job_or_one_whose_grader_runs(queue, tmp_path):
+    jobs_root = tmp_path / "jobs"
+    oldest = finished_job(queue, "ana", jobs_root / "ana0", size_bytes=3000)
+    grader_alive = finished_job(queue, "ana", jobs_root / "ana1", size_bytes=3000)
+    newest = finished_job(queue, "ana", jobs_root / "ana2", size_bytes=3000)
+    running, _ = submit(queue, "ana", jobs_root / "ana-running")
+    (jobs_root / "ana-running" / "model.keras").write_bytes(b"x" * 20000)
+    queue.claim_next("host", os.getpid())
+    sleeper = subprocess.Popen(["sleep", "120"])
+    try:
+        queue.set_grader_process(grader_alive["id"], sleeper.pid, psutil.Process(sleeper.pid).create_time())
+        removed = JobRetention(jobs_root, keep_jobs_per_student=0, disk_quota_bytes_per_student=10000).prune(
+            queue, "ana")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    # Over the quota even without them, but the running job and the one with a live grader stay.
+    assert sorted(path.name for path in removed) == ["ana0", "ana2"]
+    assert sorted(path.name for path in jobs_root.iterdir()) == ["ana-running", "ana1"]
+    assert queue.get(running["id"])["state"] == RUNNING
+    assert all(queue.get(job["id"])["state"] == DONE for job in (oldest, grader_alive, newest))
+
+
+def test_the_quota_stops_removing_once_the_student_is_under_it(queue, tmp_path):
+    jobs_root = tmp_path / "jobs"
+    for number in range(4):
+        finished_job(queue, "ana", jobs_root / f"ana{number}", size_bytes=1000)
+    removed = JobRetention(jobs_root, keep_jobs_per_student=0, disk_quota_bytes_per_student=2500).prune(queue, "ana")
+    assert [path.name for path in removed] == ["ana0", "ana1"]
+    assert sorted(path.name for path in jobs_root.iterdir()) == ["ana2", "ana3"]

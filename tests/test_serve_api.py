@@ -1,13 +1,18 @@
 """The Assess service's REST API against a real Jupyter server process (scalelab.grader.serve enabled).
 
 Two students (token table identity provider, see tests/submissions/service/scalelab_test_identity.py), each with
-their own folder, and the syntax-error submission so that a verdict comes in seconds.
+their own folder, and the syntax-error submission so that a verdict comes in seconds. The pause between a
+student's submissions is an hour, so a second submission after a verdict is always too early here.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 import shutil
+import socket
+import stat
 import sys
 from pathlib import Path
 
@@ -17,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent / "submissions" / "service"))
 from jupyter_process import TEST_TRACKS, JupyterServer  # noqa: E402
 
 from scalelab.grader import panel  # noqa: E402
+from scalelab.grader.queue import AssessQueue, sqlite_url  # noqa: E402
 
 FAST_SUBMISSION = Path(__file__).parent / "submissions" / "service" / "syntax_error_fast.py"
 TOKENS = {"alice-token": "alice", "bob-token": "bob"}
@@ -31,7 +37,7 @@ def server(tmp_path_factory):
     shutil.copy(FAST_SUBMISSION, root / "alice" / "assessment" / "assessment.py")
     jupyter = JupyterServer(root, home, user_tokens=TOKENS, service={
         "slots": 1, "track": "fashion-mnist-test", "tracks_file": str(TEST_TRACKS), "max_queued": 5,
-        "submission_path": "{student}/assessment/assessment.py"}).start()
+        "submission_path": "{student}/assessment/assessment.py", "min_seconds_between_submissions": 3600}).start()
     yield jupyter
     jupyter.stop()
 
@@ -48,6 +54,7 @@ def test_service_describes_the_track_and_the_student(server):
     assert info["student"] == "alice"
     assert info["track"] == "fashion-mnist-test" and info["slots"] == 1
     assert info["time_budget_s"] == 400 and info["target_accuracy"] == 0.70
+    assert info["min_seconds_between_submissions"] == 3600
 
 
 def test_submit_copies_the_file_at_submit_time_and_a_second_submit_returns_the_active_job(server):
@@ -75,11 +82,74 @@ def test_submit_copies_the_file_at_submit_time_and_a_second_submit_returns_the_a
     assert [entry["id"] for entry in history["assessments"]][:1] == [job["id"]]
     assert history["assessments"][0]["verdict"]["verdict"] == "fail"
 
-    # Once the job has its verdict, Assess queues a new one (the edited file this time).
+    # The job has its verdict, but the next submission comes too early: a sentence with the wait, and no job.
     third = server.api("POST", "assessments", token="alice-token")
-    assert third.status_code == 201 and third.json()["job"]["id"] > job["id"]
-    assert third.json()["job"]["submission_sha256"] != submitted_sha256
-    server.wait_for_job(third.json()["job"]["id"], "alice-token")
+    assert third.status_code == 429, third.text
+    wait_s = int(third.headers["Retry-After"])
+    assert 3000 < wait_s <= 3600
+    assert third.json()["message"] == (f"Please wait {wait_s} more seconds before clicking Assess again: each "
+                                       f"student may submit once every 3600 seconds.")
+    after = server.api("GET", "assessments", token="alice-token").json()["assessments"]
+    assert [entry["id"] for entry in after] == [job["id"]]
+    with pytest.raises(panel.ServiceError, match="Please wait \\d+ more seconds"):
+        panel.AssessClient(server.url, "alice-token").submit()
+
+
+def _strings_in(value):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield key
+            yield from _strings_in(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings_in(item)
+
+
+def test_a_students_view_holds_no_server_path_host_name_or_sandbox_uid(server):
+    done = [entry for entry in server.api("GET", "assessments", token="alice-token").json()["assessments"]
+            if entry["state"] == "done"]
+    assert done, "the submit test above should have left alice a graded job"
+    job_id = done[0]["id"]
+    queue = AssessQueue(sqlite_url(server.database))
+    stored = queue.get(job_id)
+    queue.close()
+    jobs_dir, home, host = str(server.home / "assess" / "jobs"), str(server.home), socket.gethostname()
+    # What the grader stored does hold them, so the checks below are not vacuous.
+    stored_text = json.dumps(stored)
+    assert jobs_dir in stored_text and host in stored["verdict"]["environment"].values()
+    assert "sandbox_uid" in stored["verdict"]
+
+    one = server.api("GET", f"assessments/{job_id}", token="alice-token")
+    history = server.api("GET", "assessments", token="alice-token")
+    for view in (one.json(), *[entry for entry in history.json()["assessments"] if entry["id"] == job_id]):
+        assert view["verdict"]["verdict"] == "fail" and view["verdict"]["reasons"]
+        assert view["verdict"]["submission_sha256"] == stored["submission_sha256"]
+        for text in _strings_in(view):
+            assert jobs_dir not in text and home not in text, text
+            assert not re.search(rf"\b{re.escape(host)}\b", text), text
+    for body in (one.text, history.text):
+        assert "sandbox_uid" not in body and "environment" not in body and "job_dir" not in body
+
+
+def test_job_directories_and_their_files_are_private_to_the_server_account(server):
+    jobs_root = server.home / "assess" / "jobs"
+    assert stat.S_IMODE(jobs_root.stat().st_mode) == 0o700
+    job_dirs = list(jobs_root.iterdir())
+    assert job_dirs, "the submit test above should have left alice a job directory"
+    for job_dir in job_dirs:
+        assert stat.S_IMODE(job_dir.stat().st_mode) == 0o700
+        for name in ("assessment.py", "grader.stdout", "grader.stderr"):
+            assert stat.S_IMODE((job_dir / name).stat().st_mode) == 0o600, name
+
+
+def test_an_id_beyond_the_databases_integer_range_answers_404_with_the_usual_sentence(server):
+    for job_id in ("99999999999999999999", str(2**63), str(2**31), "9" * 5000):
+        response = server.api("GET", f"assessments/{job_id}", token="alice-token")
+        assert response.status_code == 404, response.text
+        assert response.json()["message"] == f"There is no assessment {job_id} of yours."
+    assert "OverflowError" not in server.log_tail(lines=400)
 
 
 def test_a_student_sees_only_their_own_jobs(server):
@@ -123,3 +193,18 @@ def _closed_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def test_jupyter_user_identity_under_jupyters_token_login_is_refused_at_start(tmp_path):
+    # Jupyter's stock identity provider (no user table): each token request would be a new anonymous student.
+    refused = JupyterServer(tmp_path / "course", tmp_path / "home", service={
+        "track": "fashion-mnist-test", "tracks_file": str(TEST_TRACKS), "student_identity": "jupyter-user"})
+    refused.root_dir.mkdir()
+    refused.start(ready_path="api/status")
+    try:
+        assert refused.api("GET", "service").status_code == 404
+        assert refused.api("POST", "assessments").status_code == 404
+        assert "AssessService.student_identity = 'jupyter-user' cannot be used with Jupyter's stock identity " \
+               "provider (PasswordIdentityProvider)" in refused.log_tail(lines=400)
+    finally:
+        refused.stop()

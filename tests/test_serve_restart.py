@@ -38,7 +38,8 @@ def _course(root: Path) -> None:
 def _server(root: Path, home: Path) -> JupyterServer:
     return JupyterServer(root, home, user_tokens=TOKENS, service={
         "slots": 1, "track": "fashion-mnist-hang", "tracks_file": str(TEST_TRACKS),
-        "submission_path": "{student}/assessment/assessment.py", "poll_interval_s": 0.5})
+        "submission_path": "{student}/assessment/assessment.py", "poll_interval_s": 0.5,
+        "min_seconds_between_submissions": 0})  # the sleeper submits twice, however fast the restart went
 
 
 def _wait_until_running_with_ranks(server: JupyterServer, job_id: int, timeout_s: float = 90) -> psutil.Process:

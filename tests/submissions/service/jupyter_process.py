@@ -67,7 +67,8 @@ class JupyterServer:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "jupyter_server_config.json").write_text(json.dumps(config, indent=1))
 
-    def start(self, timeout_s: float = 90) -> "JupyterServer":
+    def start(self, timeout_s: float = 90, ready_path: str = "scalelab/api/service") -> "JupyterServer":
+        """Start the server; ready when ``ready_path`` answers (``api/status``: Jupyter alone, Assess or not)."""
         self.write_config()
         argv = [str(VENV_BIN / "jupyter"), self.app, "--no-browser", f"--ServerApp.port={self.port}",
                 "--ServerApp.ip=127.0.0.1", f"--ServerApp.root_dir={self.root_dir}", "--ServerApp.port_retries=0"]
@@ -82,7 +83,7 @@ class JupyterServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the Jupyter server exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
-                if self.api("GET", "service", timeout=5).ok:
+                if requests.get(f"{self.url}{ready_path}", headers=self.headers(self.token), timeout=5).ok:
                     return self
             except requests.RequestException:
                 pass
