@@ -2,13 +2,16 @@
 #   make lab     JupyterLab on http://127.0.0.1:8888 opened on the course
 #   make test    the whole test suite
 #   make setup   Debian packages + .venv with the pinned stack + Horovod built with TensorFlow, Gloo and MPI
+#                (PYTHON=/path/to/python3.11 picks the interpreter; see containers/setup.sh)
 #   make doctor  what is installed and which data sets are available
 #   make release / make autograde   the nbgrader cycle for the labs (see README)
 #   make bench   the benchmark report
 
 SHELL := /bin/bash
 VENV := .venv
-PYTHON := $(VENV)/bin/python
+VENV_PYTHON := $(VENV)/bin/python
+# `make setup PYTHON=/path/to/python3.11` (or PYTHON in the environment) reaches containers/setup.sh, which makes
+# the venv from that interpreter; make passes command-line and environment variables on to the recipes itself.
 SETUP_STAMP := $(VENV)/.scalelab-setup-done
 # Configuration: where CIFAR-10 (official python format) lives when it is staged offline. The default is the
 # shared real subset next to the checkout, if there is one; override with `make test SCALELAB_CIFAR10_DIR=...`.
@@ -47,7 +50,7 @@ lab: setup
 		$$( [ "$$(id -u)" = 0 ] && echo --allow-root )
 
 test: setup
-	$(PYTHON) -m pytest $(PYTEST_ARGS)
+	$(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
 
 # The nbgrader course directory (holds nbgrader_config.py); point it at a copy to try the cycle elsewhere.
 LABS ?= labs
@@ -74,7 +77,7 @@ autograde: setup
 BENCH_OUT ?= bench-report
 BENCH_ARGS ?=
 bench: setup
-	PYTHONPATH=source_code $(PYTHON) -m benchmarks.run --out $(BENCH_OUT) $(BENCH_ARGS)
+	PYTHONPATH=source_code $(VENV_PYTHON) -m benchmarks.run --out $(BENCH_OUT) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

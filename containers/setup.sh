@@ -3,12 +3,26 @@
 # Horovod compiled against TensorFlow with Gloo and MPI, and a check of Horovod's build.
 # Used by `make setup`, by CI and by the CPU container image: the one install path of the project.
 #
-#   containers/setup.sh [--venv DIR] [--gpu] [--system-python] [--skip-apt]
+#   containers/setup.sh [--venv DIR] [--gpu] [--system-python] [--skip-apt] [--choose-python] [--choose-installer]
 #
-#   --venv DIR        where the virtual environment goes (default: .venv in the project root)
-#   --gpu             tensorflow[and-cuda] and Horovod with NCCL instead of the CPU build
-#   --system-python   install into the current interpreter instead of a venv (container images)
-#   --skip-apt        do not check or install Debian packages
+#   --venv DIR          where the virtual environment goes (default: .venv in the project root)
+#   --gpu               tensorflow[and-cuda] and Horovod with NCCL instead of the CPU build
+#   --system-python     install into the chosen interpreter instead of a venv (container images)
+#   --skip-apt          do not check or install Debian packages
+#   --choose-python     only choose the interpreter: print which and why, exit 0 (1 with the reason when none works)
+#   --choose-installer  only say whether the pinned packages would be installed with uv or pip, and why
+#
+# The interpreter: TensorFlow 2.15.1 has wheels for Python 3.10 and 3.11 only (pyproject.toml's requires-python).
+#   1. an existing venv whose python runs 3.10 or 3.11 is kept;
+#   2. PYTHON=/path (the environment, or `make setup PYTHON=/path`);
+#   3. python3 if it is 3.10 or 3.11, then python3.11, then python3.10 on PATH;
+#   4. a CPython 3.11 managed by uv (uv is pip-installed into ~/.cache/scalelab/bootstrap; the interpreter goes
+#      where `uv python install` puts it, ~/.local/share/uv/python unless UV_PYTHON_INSTALL_DIR says otherwise).
+#   A venv outside the invoking user's home is taken to be one other accounts run (a hub under /opt): it is never
+#   made from an interpreter under a directory they cannot enter; Debian's /usr/bin/python3.11 is taken instead.
+#   Where nothing works, the script stops before installing anything and says what to do.
+#   (SCALELAB_SHARED_PYTHONS names those shared interpreters, SCALELAB_BOOTSTRAP_DIR where uv goes.)
+# SCALELAB_INSTALLER=pip installs with pip even where uv could (see choose_installer below).
 set -euo pipefail
 
 project_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,22 +30,368 @@ venv="$project_root/.venv"
 flavour=cpu
 use_venv=1
 do_apt=1
+only=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --venv) venv="$2"; shift 2 ;;
         --gpu) flavour=gpu; shift ;;
         --system-python) use_venv=0; shift ;;
         --skip-apt) do_apt=0; shift ;;
+        --choose-python) only=python; shift ;;
+        --choose-installer) only=installer; shift ;;
         *) echo "setup.sh: unknown option '$1'" >&2; exit 2 ;;
     esac
 done
 
 say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
+fail() { echo "setup.sh: $*" >&2; exit 1; }
+last_line() {  # the last thing a tool said, without its "error:" or "cause:"
+    printf '%s\n' "$1" | sed -e '/^[[:space:]]*$/d' -e 's/^[[:space:]]*\(error\|cause\|ERROR\): *//' | tail -n 1
+}
+
+supported_pythons="3.10 3.11"  # pyproject.toml's requires-python (tests/test_setup_python.py checks they agree)
+# A tool for setting up only, not part of the course's environment: it fetches a Python 3.11 where the machine
+# has none, and installs the pinned packages much faster than pip.
+uv_pin="uv==0.13.8"
+bootstrap_dir="${SCALELAB_BOOTSTRAP_DIR:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/scalelab/bootstrap}"
+uv="$bootstrap_dir/bin/uv"
+# Interpreters every account can run (Debian's and Ubuntu's), for a venv that other accounts use.
+shared_pythons="${SCALELAB_SHARED_PYTHONS:-/usr/bin/python3.11 /usr/bin/python3.10}"
+# The way out where no interpreter works: the CPU image, built and run as containers/README.md says.
+# shellcheck disable=SC2016  # $HOME is for the reader's shell
+image_commands='docker build -f containers/Dockerfile.cpu -t scalelab:cpu .
+  docker run --rm -p 8888:8888 --shm-size=1g --security-opt seccomp=unconfined --security-opt apparmor=unconfined -v "$HOME/cifar10:/data/cifar10:ro" -v scalelab-home:/home/scalelab/.scalelab scalelab:cpu'
+
+# "3.11 /usr/bin/python3.11": the version and sys.executable of an interpreter; nothing when it does not run.
+probe() {
+    "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2], sys.executable)' 2>/dev/null | head -n 1 || true
+}
+joined() { local IFS=';' all; all="$*"; echo "${all//;/; }"; }
+described() { if [ -n "$1" ]; then echo "Python $1"; else echo "not a Python that runs"; fi; }
+is_supported() { [ -n "$1" ] && [[ " $supported_pythons " == *" $1 "* ]]; }
+
+# The first directory (or the file itself) on the way to PATH that other accounts cannot enter or run.
+closed_to_others() {
+    local path mode
+    path="$(readlink -f "$1" 2>/dev/null)" || return 0
+    while [ -n "$path" ]; do
+        mode="$(stat -c %A "$path" 2>/dev/null)" || return 0
+        case "${mode:9:1}" in x|t) ;; *) echo "$path"; return 0 ;; esac
+        [ "$path" = / ] && return 0
+        path="$(dirname "$path")"
+    done
+}
+# ... of an interpreter: as named, its sys.executable and its standard library.
+closed_dirs() {
+    local path closed paths=()
+    mapfile -t paths < <("$1" 2>/dev/null -c \
+        'import sys, sysconfig; print(sys.executable, sysconfig.get_path("stdlib"), sep="\n")')
+    for path in "$1" "${paths[@]}"; do
+        closed="$(closed_to_others "$path")"
+        if [ -n "$closed" ]; then echo "$closed"; return 0; fi
+    done
+}
+inside_home() {
+    local home target
+    [ -n "${HOME:-}" ] || return 1
+    home="$(readlink -m "$HOME")"
+    target="$(readlink -m "$1")"
+    [ "$home" != / ] && { [ "$target" = "$home" ] || [[ "$target" == "$home"/* ]]; }
+}
+
+# uv in its own small venv, made by the interpreter $1. Sets uv_problem and fails when it cannot be had.
+ensure_uv() {
+    local bootstrap_python output
+    if [ -x "$uv" ] && [ "$("$uv" --version 2>/dev/null | cut -d' ' -f2)" = "${uv_pin#uv==}" ]; then
+        return 0
+    fi
+    bootstrap_python="$(command -v "$1" 2>/dev/null)" || { uv_problem="there is no $1 to install uv with"; return 1; }
+    say "Installing $uv_pin into $bootstrap_dir"
+    if ! output="$("$bootstrap_python" -m venv --clear "$bootstrap_dir" 2>&1)"; then
+        uv_problem="$1 -m venv failed to make a venv for uv ($(last_line "$output");"
+        uv_problem+=" Debian and Ubuntu: apt-get install python3-venv)"
+        return 1
+    fi
+    if ! output="$("$bootstrap_dir/bin/python" -m pip install -q --disable-pip-version-check "$uv_pin" 2>&1)"; then
+        uv_problem="pip could not install $uv_pin ($(last_line "$output"))"
+        return 1
+    fi
+}
+
+managed_find() {  # uv's own CPython 3.11, never a venv's: from /, with no VIRTUAL_ENV
+    (cd / && env -u VIRTUAL_ENV "$uv" python find --managed-python --no-project 3.11 2>/dev/null) || true
+}
+
+# Sets python_base (the interpreter to make the venv from, or to install into with --system-python),
+# python_version, python_why and keep_venv; or stops, before anything is installed, saying what to do.
+choose_python() {
+    local version="" executable="" found candidate tried=()
+    keep_venv=0
+    given=""
+    if [ -n "${PYTHON:-}" ]; then
+        given="$(command -v -- "$PYTHON" 2>/dev/null)" || true
+        if [ -z "$given" ] || [ ! -f "$given" ]; then
+            fail "PYTHON=$PYTHON is not an interpreter (no such executable file);" \
+                "give the path of a Python 3.10 or 3.11, e.g. PYTHON=/usr/bin/python3.11."
+        fi
+        read -r version executable <<<"$(probe "$given")" || true
+        if ! is_supported "$version"; then
+            fail "PYTHON=$PYTHON is $(described "$version");" \
+                "TensorFlow 2.15.1 has wheels for Python 3.10 and 3.11 only: give one of those."
+        fi
+    fi
+
+    if [ "$use_venv" = 1 ] && { [ -e "$venv/bin/python" ] || [ -L "$venv/bin/python" ]; }; then
+        read -r version executable <<<"$(probe "$venv/bin/python")" || true
+        if ! is_supported "$version"; then
+            fail "$venv exists but its python is $(described "$version"); TensorFlow 2.15.1 needs 3.10 or 3.11:" \
+                "remove it (rm -rf $venv) and run this again."
+        fi
+        python_base="$venv/bin/python" python_version="$version" keep_venv=1
+        python_why="the virtual environment $venv exists: kept${given:+ (PYTHON= only makes a new one)}"
+        return 0
+    fi
+
+    if [ -n "$given" ]; then
+        python_base="$given" python_version="$version" python_why="given by PYTHON="
+        return 0
+    fi
+
+    for candidate in python3 python3.11 python3.10; do
+        if ! found="$(command -v "$candidate" 2>/dev/null)"; then
+            tried+=("$candidate is missing")
+            continue
+        fi
+        read -r version executable <<<"$(probe "$found")" || true
+        tried+=("$candidate is ${version:-broken}")
+        if is_supported "$version"; then
+            # sys.executable rather than a version manager's shim, which may pick another Python elsewhere
+            if [ -n "$executable" ] && [ -x "$executable" ]; then found="$executable"; fi
+            python_base="$found" python_version="$version"
+            python_why="$(joined "${tried[@]}")"
+            return 0
+        fi
+    done
+
+    local why_none
+    why_none="no Python 3.10 or 3.11 on PATH ($(joined "${tried[@]}"))"
+    if [ "$use_venv" = 0 ]; then
+        uv_problem="--system-python installs into an interpreter the machine has, not a fetched one"
+    elif ensure_uv python3; then
+        found="$(managed_find)"
+        if [ -z "$found" ]; then
+            say "Fetching a CPython 3.11 with uv: $why_none"
+            local output
+            if output="$("$uv" python install --no-bin 3.11 2>&1)"; then
+                found="$(managed_find)"
+            else
+                uv_problem="uv could not fetch a CPython 3.11 ($(last_line "$output"))"
+            fi
+        fi
+        if [ -n "$found" ]; then
+            read -r version executable <<<"$(probe "$found")" || true
+            if is_supported "$version"; then
+                python_base="$found" python_version="$version"
+                python_why="a CPython managed by uv: $why_none"
+                return 0
+            fi
+            uv_problem="uv's CPython 3.11 ($found) does not run"
+        fi
+    fi
+    fail "$why_none and ${uv_problem:-uv found none}; install a Python 3.11 (python3.11, python3.11-venv and" \
+        "python3.11-dev from your distribution or the deadsnakes PPA), give one with PYTHON=/path/to/python3.11," \
+        "or use the CPU image (from the repository root):"$'\n'"  $image_commands"
+}
+
+# A venv outside the invoking user's home is one other accounts run (a multi-user hub under /opt, say): made from
+# an interpreter under a directory they cannot enter (a home of mode 0700), it fails for them with
+# "Permission denied". Take a shared interpreter instead, or stop.
+check_shared() {
+    local closed shared version executable message real
+    if [ "$use_venv" = 0 ] || inside_home "$venv"; then return 0; fi
+    closed="$(closed_dirs "$python_base")"
+    [ -n "$closed" ] || return 0
+    if [ "$keep_venv" = 1 ]; then
+        say "Note: $venv is outside your home, but its Python is under $closed, which other accounts cannot enter;" \
+            "to let them run it, remove it and run this again"
+        return 0
+    fi
+    real="$(readlink -f "$python_base")"
+    [ "$real" != "$python_base" ] || real=""
+    message="$python_base${real:+ ($real)} is under $closed, which other accounts cannot enter,"
+    message+=" and a venv outside your home ($venv) is for them too"
+    if [ -n "$given" ]; then
+        fail "PYTHON=$PYTHON: $message; give an interpreter every account can run (e.g. /usr/bin/python3.11)," \
+            "or put the venv under your home."
+    fi
+    for shared in $shared_pythons; do
+        [ -x "$shared" ] || continue
+        read -r version executable <<<"$(probe "$shared")" || true
+        if is_supported "$version" && [ -z "$(closed_dirs "$shared")" ]; then
+            say "Note: $message: taking $shared instead"
+            python_base="$shared" python_version="$version"
+            python_why="$python_why, but under $closed: this one every account can run"
+            return 0
+        fi
+    done
+    if [[ "$python_why" == "a CPython managed by uv"* ]]; then
+        message+=" (UV_PYTHON_INSTALL_DIR can put uv's Python where they can)"
+    fi
+    fail "$message, and there is no ${shared_pythons// / or } that they can run; install Debian's python3.11" \
+        "(apt-get install python3.11 python3.11-venv python3.11-dev), give PYTHON= an interpreter every account" \
+        "can run, or put the venv under your home."
+}
+
+# uv installs the pinned packages several times faster than pip but reads none of pip's configuration (pip.conf,
+# PIP_* variables): it is taken only where every setting pip would apply to `pip install` has a uv equivalent
+# (indexes, find-links, constraints, certificates, trusted hosts, proxy, timeout), and pip otherwise.
+# Horovod is always built by pip: the compiler is its slow part. Sets installer, installer_why, uv_args, uv_env
+# (variables to set) and uv_unset.
+choose_installer() {
+    local translation kind value
+    installer=pip uv_args=() uv_env=() uv_unset=()
+    if [ "${SCALELAB_INSTALLER:-}" = pip ]; then
+        installer_why="SCALELAB_INSTALLER=pip"
+        return 0
+    fi
+    if [ "$use_venv" = 0 ]; then
+        installer_why="--system-python: an image keeps uv's cache in its layer (the Dockerfile removes pip's)"
+        return 0
+    fi
+    if ! translation="$("$python" - <<'PY'
+import ast, os, subprocess, sys
+
+def keep_pip(why):
+    print(why)
+    sys.exit(1)
+
+listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+if listing.returncode != 0:
+    keep_pip(f"`pip config list` failed: {(listing.stderr.strip().splitlines() or ['?'])[-1]}")
+# What `pip install` applies: [global], then [install], then PIP_* variables (pip's own order).
+rank = {"global": 0, "install": 1, ":env:": 2}
+found = []
+for line in listing.stdout.splitlines():
+    key, _, value = line.partition("=")
+    section, _, name = key.rpartition(".")
+    if section in rank:
+        found.append((rank[section], name, ast.literal_eval(value)))
+settings = {name: value for _, name, value in sorted(found, key=lambda item: item[0])}
+
+def true(value):
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+def local_path_missing(location):
+    path = location[len("file://"):] if location.startswith("file://") else location
+    return "://" not in path and not os.path.exists(path)
+
+# Settings that change nothing about what gets installed.
+harmless = {"disable-pip-version-check", "no-cache-dir", "cache-dir", "quiet", "verbose", "progress-bar",
+            "no-input", "retries", "root-user-action", "no-color", "no-python-version-warning", "yes", "log",
+            "config-file", "require-virtualenv", "exists-action", "no-warn-script-location", "no-warn-conflicts"}
+args, env, untranslated = [], {}, []
+for name, value in settings.items():
+    if name == "index-url":
+        args += ["--index-url", value]
+    elif name == "extra-index-url":
+        for url in value.split():
+            args += ["--extra-index-url", url]
+    elif name == "find-links":
+        for location in value.split():
+            if not local_path_missing(location):  # pip skips a missing one with a warning, uv would stop
+                args += ["--find-links", location]
+    elif name == "constraint":
+        for path in value.split():  # pip's build environments read the same configuration
+            args += ["--constraint", path, "--build-constraint", path]
+    elif name == "trusted-host":
+        for host in value.split():
+            args += ["--allow-insecure-host", host]
+    elif name == "no-index":
+        args += ["--no-index"] if true(value) else []
+    elif name == "pre":
+        args += ["--prerelease", "allow"] if true(value) else []
+    elif name in ("only-binary", "no-binary"):
+        args += [f"--{name}", value]
+    elif name == "break-system-packages":
+        args += ["--break-system-packages"] if true(value) else []
+    elif name == "cert":
+        env["SSL_CERT_FILE"] = value
+    elif name == "client-cert":
+        env["SSL_CLIENT_CERT"] = value
+    elif name == "proxy":
+        env["HTTPS_PROXY"] = env["HTTP_PROXY"] = value
+    elif name in ("timeout", "default-timeout"):
+        env["UV_HTTP_TIMEOUT"] = value
+    elif name not in harmless:
+        untranslated.append(name)
+if untranslated:
+    keep_pip(f"pip's configuration sets {', '.join(sorted(untranslated))}, which uv would not apply the same way")
+for arg in args:
+    print(f"arg\t{arg}")
+for name, value in env.items():
+    print(f"env\t{name}={value}")
+PY
+)"; then
+        installer_why="$(last_line "$translation")"
+        [ -n "$installer_why" ] || installer_why="pip's configuration could not be read"
+        return 0
+    fi
+    if ! ensure_uv "$python"; then
+        installer_why="$uv_problem"
+        return 0
+    fi
+    while IFS=$'\t' read -r kind value; do
+        case "$kind" in
+            arg) uv_args+=("$value") ;;
+            env) uv_env+=("$value") ;;
+        esac
+    done <<<"$translation"
+    # uv then takes nothing but that: not the UV_* settings a shell may carry for other projects (its cache aside).
+    local name
+    for name in $(compgen -e); do
+        case "$name" in
+            UV_CACHE_DIR|UV_NO_CACHE|UV_LINK_MODE) ;;
+            UV_*) uv_unset+=(-u "$name") ;;
+        esac
+    done
+    installer=uv
+    # (credentials in an index URL stay out of the log)
+    installer_why="pip's configuration translated: ${uv_args[*]:-no options}${uv_env[*]:+ with ${uv_env[*]}}"
+    installer_why="$(sed -E 's#://[^/@ ]+@#://***@#g' <<<"$installer_why")"
+}
+# Installs with the chosen installer what pip would install with `pip install -q ARGS`.
+install_pinned() {
+    if [ "$installer" = uv ]; then
+        env ${uv_unset[@]+"${uv_unset[@]}"} ${uv_env[@]+"${uv_env[@]}"} \
+            "$uv" --no-config pip install --quiet --python "$python" --index-strategy unsafe-best-match \
+            --compile-bytecode ${uv_args[@]+"${uv_args[@]}"} "$@"
+    else
+        "${pip[@]}" install -q "$@"
+    fi
+}
+
+choose_python
+check_shared
+say "Python $python_version: $python_base ($python_why)"
+if [ "$only" = python ]; then exit 0; fi
+
+if [ "$use_venv" = 1 ] && [ "$keep_venv" = 1 ]; then python="$venv/bin/python"; else python="$python_base"; fi
+pip=("$python" -m pip --disable-pip-version-check)
+if [ "$only" = installer ]; then
+    choose_installer
+    say "Installer: $installer ($installer_why)"
+    exit 0
+fi
 
 # Debian packages: the MPI Horovod links against, its build tools (and `patch` for containers/patches/),
 # offline Fashion-MNIST, the grader's sandbox, Chromium for the browser tests, and Slurm + munge (the Slurm
 # backend and its tests).
 apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make patch dataset-fashion-mnist bubblewrap chromium procps slurm-wlm slurm-client munge)
+# Debian's and Ubuntu's own Python keep `venv` and the headers Horovod compiles against in packages of their own.
+if [[ "$(readlink -f "$python_base")" =~ ^/usr/bin/python(3\.[0-9]+)$ ]]; then
+    apt_packages+=("python${BASH_REMATCH[1]}-dev")
+    if [ "$use_venv" = 1 ]; then apt_packages+=("python${BASH_REMATCH[1]}-venv"); fi
+fi
 if [ "$do_apt" = 1 ]; then
     missing=()
     for package in "${apt_packages[@]}"; do
@@ -51,13 +411,13 @@ if [ "$do_apt" = 1 ]; then
 fi
 
 if [ "$use_venv" = 1 ]; then
-    if [ ! -x "$venv/bin/python" ]; then
+    if [ "$keep_venv" = 0 ]; then
         say "Creating the virtual environment $venv"
-        python3 -m venv "$venv"
+        "$python_base" -m venv "$venv"
     fi
     python="$venv/bin/python"
-else
-    python="$(command -v python3)"
+    # A venv made while Debian's pythonX.Y-venv was missing has no pip; ensurepip is there now.
+    "$python" -m pip --version >/dev/null 2>&1 || "$python" -m ensurepip --upgrade >/dev/null
 fi
 pip=("$python" -m pip --disable-pip-version-check)
 
@@ -80,6 +440,8 @@ PY
 if [ "$use_venv" = 1 ]; then
     "${pip[@]}" install -q --upgrade "pip==25.3" "wheel==0.45.1" "setuptools==80.9.0"
 fi
+choose_installer
+say "Installing with $installer ($installer_why)"
 
 if [ "$flavour" = gpu ]; then
     tensorflow_pin="$(pin tensorflow)"
@@ -94,7 +456,7 @@ installed_version() {
 tensorflow_version="${tensorflow_pin##*==}"
 if [ "$(installed_version "${tensorflow_pin%%[[=]*}")" != "$tensorflow_version" ]; then
     say "Installing $tensorflow_pin"
-    "${pip[@]}" install -q "$tensorflow_pin"
+    install_pinned "$tensorflow_pin"
 fi
 
 horovod_pin="$(pin horovod)"
@@ -122,11 +484,12 @@ if [ "$(installed_version horovod)" != "$horovod_build" ]; then
 fi
 
 say "Installing the course and its pinned dependencies"
-"${pip[@]}" install -q -e "$project_root[$flavour,test]"
+install_pinned -e "${project_root}[$flavour,test]"
 
 export TF_CPP_MIN_LOG_LEVEL=2
 say "Checking Horovod's build"
-horovodrun="$(dirname "$python")/horovodrun"
+# Where the interpreter's scripts land: the venv's bin/, or /usr/local/bin for Debian's Python without a venv.
+horovodrun="$("$python" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/horovodrun"
 build="$("$horovodrun" --check-build)"
 for framework in TensorFlow MPI Gloo; do
     if ! grep -q "\[X\] $framework" <<<"$build"; then
