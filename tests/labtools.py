@@ -1,12 +1,16 @@
 """What the lab tests share: executing a notebook with small settings, reading its outputs, generating nbgrader's
-student release in a copy of the course, validating, and running a quiz's grading cells with chosen answers."""
+student release in a copy of the course, validating, running a quiz's grading cells with chosen answers, and
+grading an exercise's test cell against other solutions than the reference."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import shutil
 import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import NamedTuple
 
@@ -142,3 +146,74 @@ def check_committed_source(notebook_path: Path, parameters: dict) -> nbformat.No
         assert re.search(rf"^{name} = ", parameter_cells[0].source, re.MULTILINE), name
     assert notebook.cells[0].cell_type == "markdown" and "2 CPU cores" in notebook.cells[0].source
     return notebook
+
+
+# ------------------------------------------------------------------ the exercises against wrong solutions
+
+SOLUTION_REGION = re.compile(r"^([ \t]*)### BEGIN SOLUTION\n.*?^[ \t]*### END SOLUTION$", re.DOTALL | re.MULTILINE)
+HIDDEN_TESTS = "### BEGIN HIDDEN TESTS"
+# Runs each program in a fresh namespace, in one process, and writes {name: None or "ErrorName: message"} as JSON.
+_RUN_PROGRAMS = """
+import json, sys
+programs = json.load(open(sys.argv[1]))
+results = {}
+for name, program in programs.items():
+    try:
+        exec(compile(program, name, "exec"), {"__name__": "__main__"})
+    except Exception as error:
+        results[name] = f"{type(error).__name__}: {error}"
+    else:
+        results[name] = None
+json.dump(results, open(sys.argv[2], "w"))
+"""
+
+
+def cell_by_grade_id(notebook: nbformat.NotebookNode, grade_id: str) -> nbformat.NotebookNode:
+    matches = [cell for cell in notebook.cells if cell.metadata.get("nbgrader", {}).get("grade_id") == grade_id]
+    assert len(matches) == 1, f"expected one cell with grade_id {grade_id!r}, found {len(matches)}"
+    return matches[0]
+
+
+def python_source(cell: nbformat.NotebookNode) -> str:
+    """A code cell's source as plain Python: IPython magics (`%matplotlib inline`) are left out."""
+    return "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith("%"))
+
+
+def with_solution(solution_cell: nbformat.NotebookNode, *bodies: str | None) -> str:
+    """The solution cell's source with its i-th `### BEGIN SOLUTION` … `### END SOLUTION` region replaced by
+    ``bodies[i]`` (indented like the region; None keeps the reference solution): what a student's notebook holds."""
+    regions = list(SOLUTION_REGION.finditer(solution_cell.source))
+    assert len(regions) == len(bodies), f"the cell has {len(regions)} solution regions, {len(bodies)} bodies given"
+    source, end = "", 0
+    for region, body in zip(regions, bodies):
+        indent = region.group(1)
+        replacement = region.group(0) if body is None else textwrap.indent(textwrap.dedent(body).strip(), indent)
+        source += solution_cell.source[end:region.start()] + replacement
+        end = region.end()
+    return source + solution_cell.source[end:]
+
+
+def grade_exercise(notebook_path: Path, solution_id: str, tests_id: str, setup: str,
+                   solutions: dict[str, tuple], workdir: Path) -> dict[str, dict[str, str | None]]:
+    """Run the graded test cell ``tests_id`` of the source notebook after each of ``solutions`` (name → the bodies
+    of the solution cell's regions, see :func:`with_solution`), each in a fresh namespace after ``setup``.
+
+    Returns, per solution, the outcome of the whole test cell (what nbgrader grades) and of its visible part alone
+    (what the student's release runs): None where it passed, else "ErrorName: message"."""
+    notebook = nbformat.read(notebook_path, as_version=4)
+    solution_cell, tests_cell = cell_by_grade_id(notebook, solution_id), cell_by_grade_id(notebook, tests_id)
+    assert solution_cell.metadata.nbgrader["solution"] and tests_cell.metadata.nbgrader["grade"]
+    assert HIDDEN_TESTS in tests_cell.source, f"{tests_id} has no hidden tests"
+    visible = tests_cell.source.split(HIDDEN_TESTS)[0]
+    programs = {}
+    for name, bodies in solutions.items():
+        solution = with_solution(solution_cell, *bodies)
+        programs[f"{name} [graded]"] = "\n\n".join((setup, solution, tests_cell.source))
+        programs[f"{name} [visible]"] = "\n\n".join((setup, solution, visible))
+    (workdir / "programs.json").write_text(json.dumps(programs))
+    result = subprocess.run([sys.executable, "-c", _RUN_PROGRAMS, "programs.json", "results.json"], cwd=workdir,
+                            capture_output=True, text=True, env=subprocess_env(MPLBACKEND="Agg"), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = json.loads((workdir / "results.json").read_text())
+    return {name: {"graded": outcomes[f"{name} [graded]"], "visible": outcomes[f"{name} [visible]"]}
+            for name in solutions}

@@ -14,7 +14,7 @@ from labtools import LABS, code_cell_containing, execute, outputs_of, validate
 
 SOURCE_NOTEBOOK = LABS / "source" / "lab2" / "lab2_batch_size.ipynb"
 SMALL_SETTINGS = dict(TRAIN_IMAGES=2048, VAL_IMAGES=512, SWEEP_BATCH_SIZES=[32, 128], SWEEP_IMAGES=1024,
-                      TTA_BATCH_SIZES=[32, 128], TARGET_ACCURACY=0.6, MAX_EPOCHS=3)
+                      TTA_BATCH_SIZES=[32, 128], TARGET_ACCURACY=0.6, MAX_EPOCHS=3, FIT_TRAIN_IMAGES=256, FIT_EPOCHS=3)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +75,24 @@ def test_lab2_fills_the_time_to_accuracy_table_from_real_runs(executed_lab2):
     # Every time-to-accuracy epoch printed the course's one line, with throughput and elapsed time.
     epoch_text, _, _, _ = outputs_of(code_cell_containing(executed_lab2, "for batch_size in TTA_BATCH_SIZES"))
     assert re.search(r"epoch 1/3 .*val_accuracy [\d.]+ .*img/s \d+ +elapsed [\d.]+ s", epoch_text), epoch_text
+
+
+@pytest.mark.slow
+def test_lab2_plots_training_against_validation_for_an_underfit_an_overfit_and_a_regularised_run(executed_lab2):
+    _, html, images, _ = outputs_of(code_cell_containing(executed_lab2, "axis.axvline(best + 1"))
+    assert images == 1, "the training-against-validation curves are missing"
+    tables = [fragment for fragment in html if "training against validation" in fragment]
+    assert len(tables) == 1, html
+    rows = re.findall(r"<tr><td>([^<]+)</td><td>(\d+)</td>((?:<td>[\d.]+</td>){4})<td>(\d+)</td>"
+                      r"<td>([\d.]+)</td></tr>", tables[0])
+    assert [row[0].split(":")[0] for row in rows] == ["underfit", "overfit",
+                                                      "CNN + augmentation, dropout, early stopping"]
+    for name, epochs, figures, best_epoch, best_val_loss in rows:
+        accuracy, val_accuracy, loss, val_loss = map(float, re.findall(r"[\d.]+", figures))
+        assert 1 <= int(best_epoch) <= int(epochs) <= SMALL_SETTINGS["FIT_EPOCHS"], name
+        assert 0 <= accuracy <= 1 and 0 <= val_accuracy <= 1 and loss > 0 and 0 < float(best_val_loss) <= val_loss
+    printed, _, _, _ = outputs_of(code_cell_containing(executed_lab2, "FITTING_RUNS = {"))
+    assert len(re.findall(r"epochs in \d+ s, accuracy [\d.]+, val_accuracy [\d.]+", printed)) == 3, printed
 
 
 @pytest.fixture(scope="module")

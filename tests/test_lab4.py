@@ -21,16 +21,16 @@ LAB_FOLDER = LABS / "source" / "lab4"
 SOURCE_NOTEBOOK = LAB_FOLDER / "lab4_communication.ipynb"
 SMALL_SETTINGS = dict(SWEEP_NP=2, SWEEP_MAX_BYTES=2**20, SWEEP_REPEATS=3, CONTROLLER="--gloo", SIM_WORKERS=[4, 16],
                       SIM_GRADIENTS=1000, STEP_TIMING_REPEATS=5)
-QUIZ_ANSWERS = {"answer_data_parallelism": '{"a", "b", "e"}', "answer_async_problems": '{"a", "c", "e"}',
-                "answer_node_batch": '{"a", "b", "c"}'}
+QUIZ_ANSWERS = {"answer_ring_cost": '{"a", "c", "d"}', "answer_node_batch": '{"a", "b", "c", "f"}'}
 
 
 # ------------------------------------------------------------------ the cost models (fast)
 
-def test_ring_sends_the_same_bytes_per_rank_whatever_the_number_of_ranks():
-    per_rank = [comm.allreduce_cost("ring", 1e8, p).busiest_bytes for p in (16, 256, 4096)]
-    assert all(1.8e8 < value < 2e8 for value in per_rank)
-    assert comm.allreduce_cost("ring", 1e8, 16).steps == 30
+def test_ring_bytes_per_rank_grow_with_the_ranks_but_stay_below_twice_the_buffer_while_its_steps_grow_linearly():
+    costs = [comm.allreduce_cost("ring", 1e8, p) for p in (4, 16, 256, 4096)]
+    per_rank = [cost.busiest_bytes for cost in costs]
+    assert per_rank == sorted(per_rank) and per_rank[0] == 1.5e8 and all(value < 2e8 for value in per_rank)
+    assert [cost.steps for cost in costs] == [6, 30, 510, 8190]
 
 
 def test_each_algorithm_wins_where_the_model_says():
@@ -130,13 +130,12 @@ def test_lab4_simulates_sync_and_async_sgd_and_models_the_node_batch_tradeoff(ex
 @pytest.mark.slow
 def test_lab4_quiz_accepts_the_right_answers_and_explains_wrong_ones():
     source = nbformat.read(SOURCE_NOTEBOOK, as_version=4)
-    run_quiz(source, QUIZ_ANSWERS, questions=3)
-    for name, wrong, explanation in (("answer_data_parallelism", '{"a", "c"}', r"model\s+parallelism"),
-                                     ("answer_async_problems", '{"b", "d"}', "synchronous SGD does"),
-                                     ("answer_node_batch", '{"d"}', "fixed cost is paid once")):
+    run_quiz(source, QUIZ_ANSWERS, questions=2)
+    for name, wrong, explanation in (("answer_ring_cost", '{"b", "e"}', r"bounded by\s+2n"),
+                                     ("answer_node_batch", '{"d"}', r"3\.5 times faster per step")):
         with pytest.raises(CellExecutionError, match=explanation):
             answers = dict(QUIZ_ANSWERS, **{name: wrong})
-            run_quiz(source, answers, questions=3)
+            run_quiz(source, answers, questions=2)
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +151,8 @@ def test_lab4_release_ships_the_sweep_script_has_no_solutions_and_fails_validati
     assert "### BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
     assert "raise NotImplementedError" in text
     results = validate(released / "lab4_communication.ipynb")
-    # two exercises and three quiz questions, each unanswered
-    assert len(results.get("failed", [])) == 5, results.keys()
+    # two exercises and two quiz questions, each unanswered
+    assert len(results.get("failed", [])) == 4, results.keys()
 
 
 @pytest.mark.slow

@@ -20,8 +20,7 @@ LADDER = ["lamb"]
 SMALL_SETTINGS = dict(DATA_IMAGES=256, NOISE_BATCH_SIZES=[16, 128], NOISE_REPEATS=2, FASHION_IMAGES=512,
                       PHASE_EPOCHS=1, LADDER_VARIANTS=LADDER, LADDER_EPOCHS=2, LADDER_BATCH_SIZE=128,
                       LADDER_TRAIN_IMAGES=256, LADDER_VAL_IMAGES=128, LADDER_NP=1, GHOST_BATCH_SIZE=32)
-QUIZ_ANSWERS = {"answer_linear_scaling": '"c"', "answer_warmup": '"b"',
-                "answer_high_training_error": '{"a", "c", "e"}', "answer_high_validation_error": '{"b", "c", "d"}'}
+QUIZ_ANSWERS = {"answer_ghost_batch_norm": '"b"', "answer_generalisation_gap": '{"a", "b", "e"}'}
 
 pytestmark = pytest.mark.slow
 
@@ -39,11 +38,31 @@ def test_lab5_source_is_committed_without_outputs_and_with_a_parameters_cell():
 def test_lab5_runs_without_errors_and_draws_its_plots(executed_lab5):
     text, _, images, errors = outputs_of(executed_lab5[0])
     assert errors == []
-    # sharp/flat, scaling rules, warmup, gradient noise, batch schedules, LARS trust ratios, accuracy vs time
-    assert images >= 7
+    # sharp/flat, scaling rules, warmup, noise covariance, gradient noise, batch schedules, LARS trust ratios,
+    # accuracy vs time
+    assert images >= 8
     assert re.search(r"estimated gradient noise scale: -?\d+ images", text)
     assert re.search(r"decay the learning rate: held-out accuracy 0\.\d{4} in 24 steps", text)
     assert re.search(r"increase the batch size: held-out accuracy 0\.\d{4} in 11 steps", text)
+
+
+def test_lab5_shows_batch_norm_per_rank_under_horovodrun_and_synchronised_across_ranks(executed_lab5):
+    text = outputs_of(executed_lab5[0]).text
+    assert "tf.keras.layers.BatchNormalization: mean of each rank's normalised batch: [0. 0.]" in text, text
+    synchronised = re.search(r"hvd\.SyncBatchNormalization: mean of each rank's normalised batch: "
+                             r"\[(-[\d.]+) +([\d.]+)\]", text)
+    assert synchronised and float(synchronised.group(1)) < -0.5 and float(synchronised.group(2)) > 0.5, text
+
+
+def test_lab5_multiplicative_noise_keeps_the_small_batch_noise_shape_and_additive_noise_does_not(executed_lab5):
+    text = outputs_of(executed_lab5[0]).text
+    rows = {name.strip(): [float(value) for value in numbers] for name, *numbers in re.findall(
+        r"^ *(batch [^(]+?) +\(([+-][\d.]+), ([+-][\d.]+)\) +\(([\d.]+), ([\d.]+)\) +([+-][\d.]+)$", text,
+        re.MULTILINE)}
+    small, multiplicative, additive = rows["batch 8"], rows["batch 512, multiplicative σ² = 63"], \
+        rows["batch 512, additive noise"]
+    assert abs(multiplicative[4] - small[4]) < 0.1 and abs(additive[4]) < 0.2          # correlation
+    assert abs(multiplicative[3] / small[3] - 1) < 0.2 and additive[3] > 2 * small[3]   # spread along w2
 
 
 def test_lab5_logs_both_batch_schedules_to_csv_per_phase(executed_lab5):
@@ -78,14 +97,14 @@ def test_lab5_ladder_runs_every_variant_and_fills_the_table_from_its_csv_logs(ex
 
 def test_lab5_quiz_accepts_the_right_answers_and_explains_wrong_ones():
     source = nbformat.read(SOURCE_NOTEBOOK, as_version=4)
-    run_quiz(source, QUIZ_ANSWERS, questions=4)
+    run_quiz(source, QUIZ_ANSWERS, questions=2)
 
-    wrong = dict(QUIZ_ANSWERS, answer_linear_scaling='"b"')
-    with pytest.raises(CellExecutionError, match=r"square-root rule"):
-        run_quiz(source, wrong, questions=4)
-    wrong = dict(QUIZ_ANSWERS, answer_high_validation_error='{"a", "e"}')
-    with pytest.raises(CellExecutionError, match=r"overfitting"):
-        run_quiz(source, wrong, questions=4)
+    wrong = dict(QUIZ_ANSWERS, answer_ghost_batch_norm='"a"')
+    with pytest.raises(CellExecutionError, match=r"never the batch statistics"):
+        run_quiz(source, wrong, questions=2)
+    wrong = dict(QUIZ_ANSWERS, answer_generalisation_gap='{"a", "b", "c", "e"}')
+    with pytest.raises(CellExecutionError, match=r"does not have that covariance structure"):
+        run_quiz(source, wrong, questions=2)
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +117,8 @@ def test_lab5_release_has_no_solutions_and_fails_validation(released_course, cif
     text = released.read_text()
     assert "### BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
     results = validate(released)
-    # three exercises and four quiz questions, each unanswered
-    assert len(results.get("failed", [])) == 7, results.keys()
+    # three exercises and two quiz questions, each unanswered
+    assert len(results.get("failed", [])) == 5, results.keys()
 
 
 def test_lab5_solved_source_passes_validation(released_course, cifar10_dir):

@@ -23,8 +23,8 @@ MAX_SCORE = 13.0
 # What nbgrader produces; a copy of the course starts without them.
 GENERATED = ("release", "submitted", "autograded", "feedback", "gradebook.db", "grades.csv", ".ipynb_checkpoints")
 
-RIGHT_ANSWERS = {1: {"a", "b", "e"}, 2: "b", 3: {"a", "b", "d"}, 4: "c", 5: {"a", "c", "e"}, 6: {"a", "b", "d"},
-                 7: "c", 8: {"a", "b"}}
+RIGHT_ANSWERS = {1: {"a", "b", "e"}, 2: "b", 3: {"a", "b", "d", "f", "g"}, 4: "c", 5: {"a", "c", "e"},
+                 6: {"a", "b", "d"}, 7: "c", 8: {"a", "b"}}
 # Some right, some wrong, written the ways students write them (a list, upper case, stray spaces):
 # Q1 2 + Q4 1 + Q5 2 + Q7 1 + Q8 2 = 8 points; Q2, Q3 and Q6 are wrong.
 MIXED_ANSWERS = {1: {"a", "b", "e"}, 2: "a", 3: {"a", "c"}, 4: " c", 5: ["a", "c", "e"], 6: {"a", "b", "c", "e"},
@@ -112,10 +112,10 @@ def test_autograde_runs_the_hidden_tests_and_restores_tampered_test_cells(graded
 
 def test_feedback_html_explains_every_wrong_answer_and_only_those(graded_course):
     html = (graded_course / "feedback" / "alice" / QUIZ / "quiz.html").read_text()
-    # Q2: she chose (a); Q3: she picked (c) and left out (b) and (d); Q6: she picked (c) and (e).
+    # Q2: she chose (a); Q3: she picked (c) and left out (b), (d), (f) and (g); Q6: she picked (c) and (e).
     for explanation in ("You chose (a): a model that fits on one GPU is trained faster with data parallelism",
                         "(c) is false: waiting for the slowest worker is the straggler problem of synchronous SGD",
-                        "(b) is true: with N workers a gradient is on average about N updates old",
+                        "(b) is true: with N workers a gradient is on average about N - 1 updates old",
                         "(e) is false: more capacity lets the model fit the training set even more closely"):
         assert explanation in html, explanation
     assert html.count("AssertionError</span>: Not quite.") == 3
