@@ -3,9 +3,12 @@
 # Horovod compiled against TensorFlow with Gloo and MPI, and a check of Horovod's build.
 # Used by `make setup`, by CI and by the CPU container image: the one install path of the project.
 #
-#   containers/setup.sh [--venv DIR] [--gpu] [--system-python] [--skip-apt] [--choose-python] [--choose-installer]
+#   containers/setup.sh [--venv DIR] [--gpu] [--hub] [--system-python] [--skip-apt] [--choose-python] [--choose-installer]
 #
 #   --venv DIR          where the virtual environment goes (default: .venv in the project root)
+#   --hub               the environment of a class server (`make hub`): JupyterHub too (pyproject's `hub` extra), and
+#                       the course installed as a copy rather than in editable mode, so that students' servers
+#                       never need to read the checkout (it holds the solutions)
 #   --gpu               tensorflow[and-cuda] and Horovod with NCCL instead of the CPU build
 #   --system-python     install into the chosen interpreter instead of a venv (container images)
 #   --skip-apt          do not check or install Debian packages
@@ -30,11 +33,13 @@ venv="$project_root/.venv"
 flavour=cpu
 use_venv=1
 do_apt=1
+hub=0
 only=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --venv) venv="$2"; shift 2 ;;
         --gpu) flavour=gpu; shift ;;
+        --hub) hub=1; shift ;;
         --system-python) use_venv=0; shift ;;
         --skip-apt) do_apt=0; shift ;;
         --choose-python) only=python; shift ;;
@@ -60,7 +65,7 @@ shared_pythons="${SCALELAB_SHARED_PYTHONS:-/usr/bin/python3.11 /usr/bin/python3.
 # The way out where no interpreter works: the CPU image, built and run as containers/README.md says.
 # shellcheck disable=SC2016  # $HOME is for the reader's shell
 image_commands='docker build -f containers/Dockerfile.cpu -t scalelab:cpu .
-  docker run --rm -p 8888:8888 --shm-size=1g --security-opt seccomp=unconfined --security-opt apparmor=unconfined -v "$HOME/cifar10:/data/cifar10:ro" -v scalelab-home:/home/scalelab/.scalelab scalelab:cpu'
+  docker run --rm -p 8888:8888 --shm-size=1g --security-opt seccomp=unconfined --security-opt apparmor=unconfined --security-opt systempaths=unconfined -v "$HOME/cifar10:/data/cifar10:ro" -v scalelab-home:/home/scalelab/.scalelab scalelab:cpu'
 
 # "3.11 /usr/bin/python3.11": the version and sys.executable of an interpreter; nothing when it does not run.
 probe() {
@@ -464,19 +469,34 @@ horovod_version="${horovod_pin#horovod==}"
 # Horovod is built from its sdist with the fixes in containers/patches/ applied. They set the local version label
 # below, which tells a patched build from a plain one (pip still takes it for the horovod==X.Y.Z pin).
 horovod_build="$horovod_version+scalelab.1"
+# The built wheel is kept, keyed by everything it was compiled against, so that a second venv on this machine
+# (the hub's under /opt next to .venv) installs it in seconds instead of compiling for minutes.
+horovod_wheels="$(dirname "$bootstrap_dir")/horovod-wheels/$flavour-$tensorflow_pin-$(
+    cat "$project_root"/containers/patches/horovod-"$horovod_version"-*.patch | sha256sum | cut -c1-16)"
+python_tag="$("$python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
 if [ "$(installed_version horovod)" != "$horovod_build" ]; then
-    say "Building Horovod $horovod_build against TensorFlow with Gloo and MPI (a few minutes)"
-    horovod_source="$(mktemp -d)"
-    trap 'rm -rf "$horovod_source"' EXIT
-    "${pip[@]}" download -q --no-deps --no-binary :all: --no-build-isolation -d "$horovod_source" "$horovod_pin"
-    tar -xzf "$horovod_source/horovod-$horovod_version.tar.gz" -C "$horovod_source"
-    for fix in "$project_root"/containers/patches/horovod-"$horovod_version"-*.patch; do
-        patch --quiet --forward -p1 -d "$horovod_source/horovod-$horovod_version" < "$fix"
-    done
-    # --no-build-isolation: Horovod's CMake must import the TensorFlow installed above.
-    env HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
-        HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 MAKEFLAGS="-j$(nproc)" "${horovod_gpu[@]}" \
-        "${pip[@]}" install -q --no-build-isolation "$horovod_source/horovod-$horovod_version"
+    horovod_wheel="$(compgen -G "$horovod_wheels/horovod-$horovod_build-$python_tag-*.whl" | head -n 1 || true)"
+    if [ -n "$horovod_wheel" ]; then
+        say "Installing Horovod $horovod_build built earlier on this machine ($horovod_wheel)"
+        "${pip[@]}" install -q --no-deps "$horovod_wheel"
+    else
+        say "Building Horovod $horovod_build against TensorFlow with Gloo and MPI (a few minutes)"
+        horovod_source="$(mktemp -d)"
+        trap 'rm -rf "$horovod_source"' EXIT
+        "${pip[@]}" download -q --no-deps --no-binary :all: --no-build-isolation -d "$horovod_source" "$horovod_pin"
+        tar -xzf "$horovod_source/horovod-$horovod_version.tar.gz" -C "$horovod_source"
+        for fix in "$project_root"/containers/patches/horovod-"$horovod_version"-*.patch; do
+            patch --quiet --forward -p1 -d "$horovod_source/horovod-$horovod_version" < "$fix"
+        done
+        # --no-build-isolation: Horovod's CMake must import the TensorFlow installed above.
+        env HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
+            HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 MAKEFLAGS="-j$(nproc)" "${horovod_gpu[@]}" \
+            "${pip[@]}" wheel -q --no-deps --no-build-isolation -w "$horovod_source/wheel" \
+            "$horovod_source/horovod-$horovod_version"
+        "${pip[@]}" install -q --no-deps "$horovod_source"/wheel/horovod-*.whl
+        mkdir -p "$horovod_wheels"
+        cp "$horovod_source"/wheel/horovod-*.whl "$horovod_wheels"/ || true  # only a time saver
+    fi
     if [ "$(installed_version horovod)" != "$horovod_build" ]; then
         echo "setup.sh: built Horovod $(installed_version horovod), expected $horovod_build (the patches set it)" >&2
         exit 1
@@ -484,7 +504,15 @@ if [ "$(installed_version horovod)" != "$horovod_build" ]; then
 fi
 
 say "Installing the course and its pinned dependencies"
-install_pinned -e "${project_root}[$flavour,test]"
+if [ "$hub" = 1 ]; then
+    # A copy, rebuilt every time (pip always rebuilds a project given by its directory; uv needs telling): the
+    # version number does not change when the course's code does.
+    refresh=()
+    if [ "$installer" = uv ]; then refresh=(--reinstall-package scalelab); fi
+    install_pinned ${refresh[@]+"${refresh[@]}"} "${project_root}[$flavour,test,hub]"
+else
+    install_pinned -e "${project_root}[$flavour,test]"
+fi
 
 export TF_CPP_MIN_LOG_LEVEL=2
 say "Checking Horovod's build"

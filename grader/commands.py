@@ -2,19 +2,34 @@
 
 Exit codes (all three commands): 0 pass; 1 fail, timeout or a submission that errors; 2 bad input to the
 command, with a one-line message on stderr; 3 an internal error of the grader (an ``error`` verdict, still
-written when --out is given).
+written when --out is given). ``assess`` stopped by SIGTERM stops its run and removes its job directory
+first, then exits 143.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import datetime as dt
 import json
+import signal
+import statistics
 import sys
+import threading
+import tomllib
 from pathlib import Path
 
-from . import pipeline, spec
+import psutil
+
+from scalelab import environment
+from scalelab.runtime import usable_cores
+
+from . import grading, pipeline, report, spec, store
+from .submission import NotASubmission, check_submission_file
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_STOPPED = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
 VERDICT_EXIT = {"pass": EXIT_PASS, "fail": EXIT_FAIL, "timeout": EXIT_FAIL, "error": EXIT_INTERNAL}
 
 
@@ -22,29 +37,9 @@ class UsageError(Exception):
     """Bad input to a command: printed as one line, exit code 2."""
 
 
-def check_submission_file(path: Path) -> None:
-    """Refuse what cannot be a submission at all (a syntax error is the submission's problem, not this)."""
-    if not path.exists():
-        raise UsageError(f"{path} does not exist")
-    if path.is_dir():
-        raise UsageError(f"{path} is a directory; give the submission's assessment.py")
-    if path.suffix != ".py":
-        raise UsageError(f"{path} is not a Python file (.py)")
-    size = path.stat().st_size
-    if size == 0:
-        raise UsageError(f"{path} is empty")
-    if size > pipeline.SUBMISSION_SIZE_LIMIT_BYTES:
-        raise UsageError(f"{path} is {size} bytes, over the {pipeline.SUBMISSION_SIZE_LIMIT_BYTES} byte limit "
-                         f"for a submission")
-    content = path.read_bytes()
-    if b"\0" in content:
-        raise UsageError(f"{path} is binary, not Python source")
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError:
-        raise UsageError(f"{path} is not UTF-8 text, so not Python source") from None
-    if not text.strip():
-        raise UsageError(f"{path} holds only white space")
+class Stopped(BaseException):
+    """SIGTERM arrived. Not an ``Exception``: it unwinds the grader through its finally blocks (which stop the
+    run and remove its job directory) without being taken for a failure of the grader."""
 
 
 def load_track_or_usage(name: str | None, track_file) -> spec.Track:
@@ -52,6 +47,39 @@ def load_track_or_usage(name: str | None, track_file) -> spec.Track:
         return spec.load_track(name, track_file)
     except spec.SpecError as error:
         raise UsageError(str(error)) from None
+
+
+def _raise_stopped(_signum, _frame) -> None:
+    # Once: a second SIGTERM must not cut the clean-up short.
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: None)
+    raise Stopped()
+
+
+@contextlib.contextmanager
+def _sigterm_raises_stopped():
+    """Without it SIGTERM would end the process at once, leaving the run going and its job directory behind."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _kill_leftover_children(wait_s: float = 5.0) -> None:
+    """SIGKILL what this process started and its own clean-up did not stop (e.g. a measurement cut short)."""
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(children, timeout=wait_s)
 
 
 def summary(verdict: dict) -> str:
@@ -84,7 +112,7 @@ def assess_command(args: argparse.Namespace) -> int:
             raise UsageError("--np must be at least 1")
         if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
             raise UsageError(f"--out {args.out} exists and is not a directory")
-    except UsageError as error:
+    except (UsageError, NotASubmission) as error:
         print(f"scalelab assess: error: {error}", file=sys.stderr)
         return EXIT_USAGE
 
@@ -93,15 +121,100 @@ def assess_command(args: argparse.Namespace) -> int:
             print(f"  {state['elapsed_s']:6.0f} s of {state['time_budget_s']:.0f} s, "
                   f"epochs seen {state['epochs_seen']}", file=sys.stderr, end="\r", flush=True)
 
-    verdict = pipeline.assess(submission, args.track, np=args.np, out_dir=args.out, backend=args.backend,
-                              allow_unsandboxed=args.allow_unsandboxed, progress=show_progress,
-                              track_file=args.track_file)
+    try:
+        with _sigterm_raises_stopped():
+            verdict = pipeline.assess(submission, args.track, np=args.np, out_dir=args.out, backend=args.backend,
+                                      allow_unsandboxed=args.allow_unsandboxed, progress=show_progress,
+                                      track_file=args.track_file)
+    except Stopped:
+        _kill_leftover_children()
+        print("scalelab assess: stopped by SIGTERM: the run was stopped and its job directory removed",
+              file=sys.stderr)
+        return EXIT_STOPPED
     if args.json:
         print(json.dumps(verdict, sort_keys=True, default=str))
     else:
         print(file=sys.stderr)
         print(summary(verdict))
     return VERDICT_EXIT[verdict["verdict"]]
+
+
+def grade_command(args: argparse.Namespace) -> int:
+    try:
+        root = Path(args.submissions)
+        if not root.is_dir():
+            raise UsageError(f"{root} is not a directory of submissions")
+        track = load_track_or_usage(args.track, args.track_file)
+        if args.parallel is not None and args.parallel < 1:
+            raise UsageError("--parallel must be at least 1")
+        if not grading.find_submissions(root):
+            raise UsageError(f"{root} holds no student directories")
+        ranks = track.resolve_ranks(len(environment.gpus()))
+    except (UsageError, spec.SpecError) as error:
+        print(f"scalelab grade: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    parallel = args.parallel or max(1, usable_cores() // ranks)
+    out_root = Path(args.out) if args.out else store.scalelab_home() / "grades" / track.name
+    gradebook = None if args.no_gradebook else Path(args.gradebook or grading.DEFAULT_GRADEBOOK)
+    print(f"grading {root} on track {track.name}, {parallel} at a time; results in {out_root}")
+    verdicts = grading.grade_class(root, track, out_root=out_root, parallel=parallel, regrade=args.regrade,
+                                   database=Path(args.database) if args.database else None, gradebook_path=gradebook)
+    csv_path = Path(args.csv) if args.csv else out_root / "grades.csv"
+    report.write_csv(csv_path, verdicts)
+    counts = {kind: sum(v["verdict"] == kind for v in verdicts) for kind in ("pass", "fail", "timeout", "error")}
+    print(f"{len(verdicts)} students: " + ", ".join(f"{n} {kind}" for kind, n in counts.items())
+          + f"; CSV {csv_path}" + (f"; gradebook {gradebook}" if gradebook else ""))
+    return EXIT_INTERNAL if counts["error"] else EXIT_PASS
+
+
+def calibrate_command(args: argparse.Namespace) -> int:
+    try:
+        track = load_track_or_usage(args.track, args.track_file)
+        if args.runs < 1:
+            raise UsageError("--runs must be at least 1")
+        for path in (args.reference, args.baseline):
+            check_submission_file(Path(path))
+    except (UsageError, NotASubmission) as error:
+        print(f"scalelab calibrate: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    out_root = Path(args.out) if args.out else store.scalelab_home() / "calibration" / track.name
+    # The reference runs with a stretched budget, so that its natural time is measured, not the budget's cut.
+    stretched = dataclasses.replace(track, time_budget_s=max(track.time_budget_s * 3, 600))
+    times, accuracies = [], []
+    for run in range(1, args.runs + 1):
+        verdict = pipeline.assess(args.reference, stretched, out_dir=out_root / f"reference-{run}")
+        if verdict["verdict"] == "error":
+            print(f"reference run {run}: grader error: {verdict['reasons']}", file=sys.stderr)
+            return EXIT_INTERNAL
+        wall, accuracy = verdict["wall_time_s"], verdict["heldout_accuracy"] or 0.0
+        times.append(wall)
+        accuracies.append(accuracy)
+        print(f"reference run {run}: {verdict['verdict']} under the stretched budget, {wall:.1f} s, "
+              f"held-out accuracy {accuracy:.4f}"
+              + ("" if verdict["verdict"] == "pass" else f"; {verdict['reasons'][0]}"), flush=True)
+    budget, target = grading.suggest(times, accuracies)
+    print(f"reference times: median {statistics.median(times):.1f} s, max {max(times):.1f} s; "
+          f"accuracies: min {min(accuracies):.4f}, median {statistics.median(accuracies):.4f}")
+    print(f"suggested time_budget_s = {budget}, target_accuracy = {target:.2f}", flush=True)
+    # The baseline is graded as the suggested track would grade it: it must fail there.
+    suggested = dataclasses.replace(track, time_budget_s=budget, target_accuracy=target)
+    baseline = pipeline.assess(args.baseline, suggested, out_dir=out_root / "baseline")
+    print(f"baseline (unmodified assessment.py): {baseline['verdict']} in {baseline['wall_time_s']} s, "
+          f"held-out accuracy {baseline['heldout_accuracy']}; {baseline['reasons'][0] if baseline['reasons'] else ''}")
+    table = grading.calibration_table(track, grading.machine_facts(), times, accuracies, baseline,
+                                      dt.datetime.now(dt.timezone.utc).date().isoformat())
+    recorded = dataclasses.replace(suggested, calibration=tomllib.loads(table.split("\n", 1)[1]))
+    problems = recorded.calibration_problems()
+    for problem in problems:
+        print(f"not calibrated: {problem}")
+    print(table)
+    print("CALIBRATED with the suggested settings" if not problems else "NOT calibrated")
+    if args.record:
+        track_file = spec.tracks_file(args.track_file)
+        grading.record_settings(track_file, track.name, budget, target)
+        grading.record_calibration(track_file, track.name, table)
+        print(f"recorded in {track_file}: time_budget_s = {budget}, target_accuracy = {target:.2f} and the figures")
+    return EXIT_FAIL if problems else EXIT_PASS
 
 
 def _add_track_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,5 +239,27 @@ def register(subparsers) -> None:
     assess.add_argument("--allow-unsandboxed", action="store_true",
                         help="run even where bubblewrap cannot sandbox the submission (instructors only)")
     assess.set_defaults(func=assess_command)
-    from . import grading
-    grading.register(subparsers, _add_track_arguments)
+
+    grade = subparsers.add_parser("grade", help="grade a class of submissions (resumable, K at a time)")
+    grade.add_argument("submissions", help="directory of <student>/assessment.py, or an nbgrader course "
+                                           "(submitted/<student>/assessment/assessment.py)")
+    _add_track_arguments(grade)
+    grade.add_argument("--parallel", type=int, default=None, help="jobs at a time (default: cores ÷ ranks)")
+    grade.add_argument("--csv", default=None, help="the class CSV (default: OUT/grades.csv)")
+    grade.add_argument("--out", default=None, help="per-student verdicts, logs and feedback.md "
+                                                   "(default: $SCALELAB_HOME/grades/TRACK)")
+    grade.add_argument("--regrade", action="store_true", help="grade again submissions already graded")
+    grade.add_argument("--database", default=None, help="results database (default: $SCALELAB_HOME/results.db)")
+    grade.add_argument("--gradebook", default=None, help=f"nbgrader gradebook (default: {grading.DEFAULT_GRADEBOOK})")
+    grade.add_argument("--no-gradebook", action="store_true", help="do not write scores to nbgrader's gradebook")
+    grade.set_defaults(func=grade_command)
+
+    calibrate = subparsers.add_parser("calibrate", help="measure the reference and the baseline on a track")
+    _add_track_arguments(calibrate)
+    calibrate.add_argument("--runs", type=int, default=5, help="reference runs (default 5)")
+    calibrate.add_argument("--reference", default=str(spec.COURSE_ROOT / "assessment" / "solution" / "assessment.py"))
+    calibrate.add_argument("--baseline", default=str(spec.COURSE_ROOT / "assessment" / "assessment.py"))
+    calibrate.add_argument("--out", default=None, help="where the runs' verdicts and logs go")
+    calibrate.add_argument("--record", action="store_true",
+                           help="write the figures into the track file's [tracks.T.calibration] table")
+    calibrate.set_defaults(func=calibrate_command)

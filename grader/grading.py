@@ -1,5 +1,6 @@
-"""Instructors' commands: ``scalelab grade`` (a class, K at a time, resumable, to nbgrader's gradebook) and
-``scalelab calibrate`` (measure the reference and the baseline on a track, suggest a budget and a target).
+"""Instructors' work on a whole class or track: grading a class (K at a time, resumable, to nbgrader's gradebook)
+and calibrating a track (a budget and a target suggested from the reference's runs, recorded in the track file).
+``scalelab grade`` and ``scalelab calibrate`` (commands.py) call these.
 
 Gradebook choice: nbgrader 0.9.6 records scores only as ``Grade`` rows of grade cells of notebooks of an
 assignment, so the assignment ``assessment`` gets a notebook ``assessment`` with one autograded grade cell
@@ -9,22 +10,20 @@ and ``nbgrader export`` then show it like any autograded score.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
-import dataclasses
 import hashlib
 import math
 import os
 import re
-import statistics
 import sys
 import threading
 from pathlib import Path
 
 from scalelab import environment
-from scalelab.runtime import usable_cores
 
-from . import commands, pipeline, report, spec, store
+from . import pipeline, report, spec, store
+from .verdict import new_verdict
+from .submission import NotASubmission, check_submission_file
 
 ASSIGNMENT = "assessment"
 NOTEBOOK = "assessment"
@@ -56,15 +55,14 @@ def _not_gradable(student: str, path: Path | None, track: spec.Track, out_dir: P
                   f"{student}/{ASSIGNMENT}/assessment.py)"
     else:
         try:
-            commands.check_submission_file(path)
+            check_submission_file(path)
             return None
-        except commands.UsageError as error:
+        except NotASubmission as error:
             problem = f"the submission cannot be run: {error}"
-    return {"verdict": "fail", "reasons": [problem], "notes": [], "student": student, "track": track.name,
-            "np": None, "heldout_accuracy": None, "target_accuracy": track.target_accuracy, "wall_time_s": None,
-            "time_budget_s": track.time_budget_s, "ranks_seen": [], "allreduce_count": 0,
-            "submission_sha256": hashlib.sha256(path.read_bytes()).hexdigest() if path else None,
-            "logs_dir": None, "out_dir": str(out_dir)}
+    return new_verdict(verdict="fail", reasons=[problem], student=student, track=track.name,
+                       target_accuracy=track.target_accuracy, time_budget_s=track.time_budget_s,
+                       submission_sha256=hashlib.sha256(path.read_bytes()).hexdigest() if path else None,
+                       out_dir=str(out_dir))
 
 
 class NbgraderGradebook:
@@ -156,51 +154,36 @@ def grade_class(submissions_root: Path, track: spec.Track, *, out_root: Path, pa
     return ordered
 
 
-def grade_command(args: argparse.Namespace) -> int:
-    try:
-        root = Path(args.submissions)
-        if not root.is_dir():
-            raise commands.UsageError(f"{root} is not a directory of submissions")
-        track = commands.load_track_or_usage(args.track, args.track_file)
-        if args.parallel is not None and args.parallel < 1:
-            raise commands.UsageError("--parallel must be at least 1")
-        if not find_submissions(root):
-            raise commands.UsageError(f"{root} holds no student directories")
-        ranks = track.resolve_ranks(len(environment.gpus()))
-    except (commands.UsageError, spec.SpecError) as error:
-        print(f"scalelab grade: error: {error}", file=sys.stderr)
-        return commands.EXIT_USAGE
-    parallel = args.parallel or max(1, usable_cores() // ranks)
-    out_root = Path(args.out) if args.out else store.scalelab_home() / "grades" / track.name
-    gradebook = None if args.no_gradebook else Path(args.gradebook or DEFAULT_GRADEBOOK)
-    print(f"grading {root} on track {track.name}, {parallel} at a time; results in {out_root}")
-    verdicts = grade_class(root, track, out_root=out_root, parallel=parallel, regrade=args.regrade,
-                           database=Path(args.database) if args.database else None, gradebook_path=gradebook)
-    csv_path = Path(args.csv) if args.csv else out_root / "grades.csv"
-    report.write_csv(csv_path, verdicts)
-    counts = {kind: sum(v["verdict"] == kind for v in verdicts) for kind in ("pass", "fail", "timeout", "error")}
-    print(f"{len(verdicts)} students: " + ", ".join(f"{n} {kind}" for kind, n in counts.items())
-          + f"; CSV {csv_path}" + (f"; gradebook {gradebook}" if gradebook else ""))
-    return commands.EXIT_INTERNAL if counts["error"] else commands.EXIT_PASS
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # calibrate
 # ---------------------------------------------------------------------------------------------------------------
 
 def suggest(reference_times: list[float], reference_accuracies: list[float]) -> tuple[int, float]:
-    """A budget that leaves 20% to spare over the slowest reference run (rounded up to 10 s), and a target
-    two points under the worst reference accuracy (rounded down to a hundredth)."""
-    budget = int(math.ceil(max(reference_times) / 0.8 / 10.0) * 10)
-    target = math.floor((min(reference_accuracies) - 0.02) * 100) / 100
-    return budget, target
+    """A budget (a multiple of 5 s) that the reference runs fill to 60-80 % (the middle of what every run allows,
+    or, where their spread is too wide for that, the least that keeps the slowest at 80 %), and a target
+    ACCURACY_MARGIN under the worst reference accuracy (rounded down to a hundredth)."""
+    low_share, high_share = spec.BUDGET_SHARE
+    least = 5 * math.ceil(max(reference_times) / high_share / 5)   # the slowest run at 80 %
+    most = 5 * math.floor(min(reference_times) / low_share / 5)    # the fastest run at 60 %
+    middle = 5 * round((least + most) / 2 / 5)
+    budget = min(max(middle, least), most) if least <= most else least
+    target = math.floor((min(reference_accuracies) - spec.ACCURACY_MARGIN) * 100) / 100
+    return int(budget), target
 
 
-def calibration_table(track: spec.Track, machine: str, times, accuracies, baseline: dict, date: str) -> str:
+def machine_facts() -> dict:
+    """What a calibration depends on: the CPU model, its usable cores and the GPUs."""
+    facts = environment.describe()
+    return {"cpu_model": facts["cpu_model"], "cpus": facts["cpu_count"], "gpus": environment.gpus()}
+
+
+def calibration_table(track: spec.Track, machine: dict, times, accuracies, baseline: dict, date: str) -> str:
     return "\n".join([
         f"[tracks.{track.name}.calibration]",
         f'date = "{date}"',
-        f'machine = "{machine}"',
+        f'cpu_model = "{machine["cpu_model"]}"',
+        f"cpus = {machine['cpus']}",
+        f"gpus = [{', '.join(repr(str(gpu)).replace(chr(39), chr(34)) for gpu in machine['gpus'])}]",
         f"reference_runs = {len(times)}",
         f"reference_wall_time_s = [{', '.join(f'{t:.1f}' for t in times)}]",
         f"reference_heldout_accuracy = [{', '.join(f'{a:.4f}' for a in accuracies)}]",
@@ -208,6 +191,34 @@ def calibration_table(track: spec.Track, machine: str, times, accuracies, baseli
         f"baseline_wall_time_s = {baseline.get('wall_time_s') or 0:.1f}",
         f"baseline_heldout_accuracy = {baseline.get('heldout_accuracy') or 0:.4f}",
     ])
+
+
+def machine_differences(track: spec.Track, machine: dict) -> list[str]:
+    """How this machine differs from the one ``track`` was calibrated on (empty: the same kind, or uncalibrated)."""
+    figures = track.calibration
+    if not figures or figures.get("status") == "uncalibrated":
+        return []
+    differences = []
+    if figures.get("cpu_model") is not None and figures["cpu_model"] != machine["cpu_model"]:
+        differences.append(f"CPU {machine['cpu_model']!r}, calibrated on {figures['cpu_model']!r}")
+    if figures.get("cpus") is not None and figures["cpus"] != machine["cpus"]:
+        differences.append(f"{machine['cpus']} cores, calibrated with {figures['cpus']}")
+    if figures.get("gpus") is not None and list(figures["gpus"]) != list(machine["gpus"]):
+        differences.append(f"GPUs {machine['gpus'] or 'none'}, calibrated with {figures['gpus'] or 'none'}")
+    return differences
+
+
+def record_settings(track_file: Path, track_name: str, budget: int, target: float) -> None:
+    """Set the track's time_budget_s and target_accuracy in the track file, leaving everything else as it is."""
+    text = track_file.read_text()
+    section = re.compile(rf"^\[tracks\.{re.escape(track_name)}\]\n(?:(?!\[).*\n?)*", re.MULTILINE)
+    found = section.search(text)
+    if found is None:
+        raise spec.SpecError(f"{track_file} has no [tracks.{track_name}] table")
+    body = re.sub(r"^time_budget_s = .*$", f"time_budget_s = {budget}", found.group(0), flags=re.MULTILINE)
+    body = re.sub(r"^target_accuracy = .*$", f"target_accuracy = {target:.2f}", body, flags=re.MULTILINE)
+    track_file.write_text(text[:found.start()] + body + text[found.end():])
+    spec.load_tracks(track_file)
 
 
 def record_calibration(track_file: Path, track_name: str, table: str) -> None:
@@ -220,82 +231,3 @@ def record_calibration(track_file: Path, track_name: str, table: str) -> None:
         text = text.rstrip("\n") + "\n\n" + table + "\n"
     track_file.write_text(text)
     spec.load_tracks(track_file)  # the file must still be a valid track file
-
-
-def calibrate_command(args: argparse.Namespace) -> int:
-    import datetime as dt
-
-    try:
-        track = commands.load_track_or_usage(args.track, args.track_file)
-        if args.runs < 1:
-            raise commands.UsageError("--runs must be at least 1")
-        for path in (args.reference, args.baseline):
-            commands.check_submission_file(Path(path))
-    except commands.UsageError as error:
-        print(f"scalelab calibrate: error: {error}", file=sys.stderr)
-        return commands.EXIT_USAGE
-    out_root = Path(args.out) if args.out else store.scalelab_home() / "calibration" / track.name
-    # The reference runs with a stretched budget, so that its natural time is measured, not the budget's cut.
-    stretched = dataclasses.replace(track, time_budget_s=max(track.time_budget_s * 3, 600))
-    times, accuracies, spare_ok = [], [], 0
-    for run in range(1, args.runs + 1):
-        verdict = pipeline.assess(args.reference, stretched, out_dir=out_root / f"reference-{run}")
-        if verdict["verdict"] == "error":
-            print(f"reference run {run}: grader error: {verdict['reasons']}", file=sys.stderr)
-            return commands.EXIT_INTERNAL
-        wall, accuracy = verdict["wall_time_s"], verdict["heldout_accuracy"] or 0.0
-        passes = verdict["verdict"] == "pass" and wall <= track.time_budget_s
-        comfortable = passes and wall <= 0.8 * track.time_budget_s
-        spare_ok += comfortable
-        times.append(wall)
-        accuracies.append(accuracy)
-        print(f"reference run {run}: {verdict['verdict']} under the stretched budget, {wall:.1f} s "
-              f"({100 * (1 - wall / track.time_budget_s):.0f}% of the {track.time_budget_s:.0f} s budget to spare), "
-              f"held-out accuracy {accuracy:.4f} (target {track.target_accuracy:.4f})"
-              + ("" if verdict["verdict"] == "pass" else f"; {verdict['reasons'][0]}"), flush=True)
-    baseline = pipeline.assess(args.baseline, track, out_dir=out_root / "baseline")
-    print(f"baseline (unmodified assessment.py): {baseline['verdict']} in {baseline['wall_time_s']} s, "
-          f"held-out accuracy {baseline['heldout_accuracy']}; {baseline['reasons'][0] if baseline['reasons'] else ''}")
-    budget, target = suggest(times, accuracies)
-    calibrated = spare_ok == args.runs and baseline["verdict"] in ("fail", "timeout")
-    print(f"reference times: median {statistics.median(times):.1f} s, max {max(times):.1f} s; "
-          f"accuracies: min {min(accuracies):.4f}, median {statistics.median(accuracies):.4f}")
-    print(f"suggested time_budget_s = {budget}, target_accuracy = {target:.2f}")
-    print(f"with the track's current settings: the reference passed with ≥ 20% to spare in {spare_ok} of "
-          f"{args.runs} runs, the baseline {'failed' if baseline['verdict'] != 'pass' else 'PASSED'}: "
-          f"{'CALIBRATED' if calibrated else 'NOT calibrated'}")
-    facts = environment.describe()
-    machine = f"{facts['cpu_count']} × {facts['cpu_model']}" + (f", GPUs {facts['gpus']}" if facts.get("gpus") else "")
-    table = calibration_table(track, machine, times, accuracies, baseline,
-                              dt.datetime.now(dt.timezone.utc).date().isoformat())
-    print(table)
-    if args.record:
-        record_calibration(spec.tracks_file(args.track_file), track.name, table)
-        print(f"recorded in {spec.tracks_file(args.track_file)}")
-    return commands.EXIT_PASS if calibrated else commands.EXIT_FAIL
-
-
-def register(subparsers, add_track_arguments) -> None:
-    grade = subparsers.add_parser("grade", help="grade a class of submissions (resumable, K at a time)")
-    grade.add_argument("submissions", help="directory of <student>/assessment.py, or an nbgrader course "
-                                           "(submitted/<student>/assessment/assessment.py)")
-    add_track_arguments(grade)
-    grade.add_argument("--parallel", type=int, default=None, help="jobs at a time (default: cores ÷ ranks)")
-    grade.add_argument("--csv", default=None, help="the class CSV (default: OUT/grades.csv)")
-    grade.add_argument("--out", default=None, help="per-student verdicts, logs and feedback.md "
-                                                   "(default: $SCALELAB_HOME/grades/TRACK)")
-    grade.add_argument("--regrade", action="store_true", help="grade again submissions already graded")
-    grade.add_argument("--database", default=None, help="results database (default: $SCALELAB_HOME/results.db)")
-    grade.add_argument("--gradebook", default=None, help=f"nbgrader gradebook (default: {DEFAULT_GRADEBOOK})")
-    grade.add_argument("--no-gradebook", action="store_true", help="do not write scores to nbgrader's gradebook")
-    grade.set_defaults(func=grade_command)
-
-    calibrate = subparsers.add_parser("calibrate", help="measure the reference and the baseline on a track")
-    add_track_arguments(calibrate)
-    calibrate.add_argument("--runs", type=int, default=5, help="reference runs (default 5)")
-    calibrate.add_argument("--reference", default=str(spec.COURSE_ROOT / "assessment" / "solution" / "assessment.py"))
-    calibrate.add_argument("--baseline", default=str(spec.COURSE_ROOT / "assessment" / "assessment.py"))
-    calibrate.add_argument("--out", default=None, help="where the runs' verdicts and logs go")
-    calibrate.add_argument("--record", action="store_true",
-                           help="write the figures into the track file's [tracks.T.calibration] table")
-    calibrate.set_defaults(func=calibrate_command)

@@ -1,23 +1,25 @@
-"""Run one submission: a fresh job directory, a bubblewrap sandbox, horovodrun, a watch on time and output.
+"""Run one submission: a fresh job directory, the sandbox, horovodrun, and a watch on time, output and witnesses.
 
 The interface is backend-neutral. ``prepare_job()`` makes a :class:`JobSpec` (everything a backend needs: the job
 directory, the argv to run inside the sandbox, its environment, the budget); a backend runs it and returns a
-:class:`RunResult`. ``run_local(job)`` is the local backend; a Slurm backend runs the same ``sandbox_argv(job)``
-inside its allocation and fills the same ``RunResult``, writing the rank logs with :class:`RankLogDemux`.
+:class:`RunResult`. ``run_local(job)`` is the local backend; the Slurm backend runs ``run_local`` inside its
+allocation (``slurm_runner``) and gets the same ``RunResult`` back.
+
+While the run goes, ``run_local`` also collects the evidence of distributed training (``witness``): Horovod's
+timeline read as it is written, stamped with the grader's clock, and the traffic on the sandbox's loopback.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import datetime as dt
 import os
-import re
 import resource
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -29,25 +31,17 @@ from scalelab import data as course_data
 from scalelab.environment import openmpi_settings
 
 from . import sandbox as sandbox_module
+from . import witness
+from .ranklogs import LOG_CAP_BYTES, RankLogDemux
 
 # Limits for the submission's processes (per job); generous enough for TensorFlow's thread pools, since Linux
 # counts threads towards RLIMIT_NPROC.
 NPROC_LIMIT = 1024
 FILE_SIZE_LIMIT_BYTES = 1 << 30
-LOG_CAP_BYTES = 1 << 20
-LINE_CAP_BYTES = 16 << 10
-UNENDED_LINES_CAP = 64  # rank streams whose unended line is held back at once (memory stays bounded)
 KILL_AFTER_TERM_S = 5.0
 PROGRESS_INTERVAL_S = 2.0
-# Never hidden, even if configured: the sandbox needs them to run anything.
-SYSTEM_PATHS = {Path(p) for p in ("/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/proc", "/dev",
-                                  "/var", "/opt", "/tmp")}
-# horovodrun prefixes each whole line of a rank with "[0]<stdout>:" under Gloo; Open MPI tags each chunk it reads
-# from a rank with "[1,0]<stdout>:", also in mid-line: "[1,1]<stderr>:RuntimeError[1,1]<stderr>:: ...".
-RANK_TAG = re.compile(rb"\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:")
-MPI_TAG = re.compile(rb"\[\d+,(\d+)\]<(stdout|stderr)>:")
-EPOCH_LINE = re.compile(r"\bepoch (\d+)/(\d+)")
-ACCURACY_IN_LINE = re.compile(r"\b(val_accuracy|accuracy)[ =:]+([0-9]*\.?[0-9]+)")
+WATCH_INTERVAL_S = 0.25
+STRAY_CHECK_INTERVAL_S = 0.5
 
 
 class LaunchError(RuntimeError):
@@ -59,10 +53,10 @@ class JobSpec:
     """Everything needed to run one submission, whatever the backend.
 
     ``command`` is the argv to run *inside* the sandbox (``horovodrun -np N --gloo ... python assessment.py``);
-    ``sandbox_argv(job)`` wraps it in bubblewrap (or returns it unchanged when ``sandbox`` is False).
+    ``sandbox_argv(job, ...)`` wraps it in bubblewrap (or returns it unchanged when ``sandbox`` is False).
     ``env`` is the complete environment of that command (nothing else from the grader's environment leaks in).
-    ``hidden_paths`` become empty inside the sandbox; ``readonly_paths`` (the Python installation, the venv, the
-    course library) and ``job_dir`` (writable) are bound back even where they lie under a hidden path.
+    The sandbox shows the software, the job directory (writable) and nothing else (``sandbox``);
+    ``hidden_paths`` are data directories to cover where they lie inside a system directory the sandbox shows.
     ``logs_dir`` is outside the sandbox and written by the grader only. ``sandbox_uid`` is the unprivileged
     uid the submission runs as when the grader is root (None: keep the grader's uid).
     """
@@ -75,11 +69,9 @@ class JobSpec:
     grace_s: float
     logs_dir: Path
     output_dir: Path
-    timeline_path: Path
     sandbox: bool = True
     sandbox_uid: int | None = None
     hidden_paths: list[Path] = dataclasses.field(default_factory=list)
-    readonly_paths: list[Path] = dataclasses.field(default_factory=list)
     device_paths: list[Path] = dataclasses.field(default_factory=list)
     nproc_limit: int = NPROC_LIMIT
     file_size_limit_bytes: int = FILE_SIZE_LIMIT_BYTES
@@ -94,13 +86,15 @@ class RunResult:
     (time.monotonic, by the grader); ``timed_out`` means it was still running at budget + grace and was stopped;
     ``rank_logs`` maps rank → log file; ``rank_tracebacks`` holds the last Python traceback each rank printed;
     ``truncated_logs`` lists the log files that hit the cap; ``survivors_killed`` counts processes of the job
-    still alive after horovodrun ended (killed by the grader).
+    still alive after horovodrun ended, ``strays_killed`` those that kept horovodrun waiting after every rank had
+    exited (both killed by the grader). ``timeline`` is the streamed timeline's evidence
+    (:class:`witness.TimelineEvidence` as a dict) and ``loopback_bytes`` the sandbox's loopback traffic (None:
+    not measured, e.g. without a sandbox).
     """
 
     exit_code: int | None
     wall_time_s: float
     timed_out: bool
-    killed: bool
     started_at: str
     finished_at: str
     rank_logs: dict[int, str]
@@ -109,6 +103,9 @@ class RunResult:
     truncated_logs: list[str]
     epochs_seen: int
     survivors_killed: int
+    strays_killed: int = 0
+    timeline: dict = dataclasses.field(default_factory=dict)
+    loopback_bytes: int | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -130,9 +127,10 @@ def horovodrun_path() -> str:
     return found
 
 
-def horovod_command(np: int, launcher: str, timeline_path: Path, options=()) -> list[str]:
-    """The command the contract runs: horovodrun with the grader's own timeline, and no script arguments."""
-    return [horovodrun_path(), "-np", str(np), f"--{launcher}", "--timeline-filename", str(timeline_path),
+def horovod_command(np: int, launcher: str, options=()) -> list[str]:
+    """The command the contract runs: horovodrun writing its timeline where the grader reads it as it goes,
+    and no script arguments."""
+    return [horovodrun_path(), "-np", str(np), f"--{launcher}", "--timeline-filename", str(witness.TIMELINE_INSIDE),
             *options, sys.executable, "assessment.py"]
 
 
@@ -169,19 +167,18 @@ def prepare_job(submission: Path, job_dir: Path, *, dataset: str, track_name: st
                 hidden_paths, sandbox: bool = True) -> JobSpec:
     """Make the job directory (assessment.py, output/, data/ with the training split) and its JobSpec."""
     job_dir.mkdir(parents=True, exist_ok=False)
+    job_dir.chmod(0o700)
     shutil.copyfile(submission, job_dir / "assessment.py")
     output_dir = job_dir / "output"
     output_dir.mkdir()
     (job_dir / "logs").mkdir()
     data_variable, data_dir = stage_training_data(dataset, job_dir)
-    timeline_path = job_dir / "timeline.json"
     logs_dir.mkdir(parents=True, exist_ok=True)
     sandbox_uid = sandbox_module.allocate_uid() if sandbox else None
     if sandbox_uid is not None:
         # The submission owns its job directory and nothing else; 0700 keeps other jobs' uids out.
         for path in [job_dir, *job_dir.rglob("*")]:
             os.chown(path, sandbox_uid, sandbox_uid, follow_symlinks=False)
-        job_dir.chmod(0o700)
     venv_bin = str(Path(sys.executable).parent)
     env = {
         "PATH": f"{venv_bin}:/usr/local/bin:/usr/bin:/bin",
@@ -202,204 +199,37 @@ def prepare_job(submission: Path, job_dir: Path, *, dataset: str, track_name: st
         # is graded as the student ran it in the lab; the rules file is inside the course library, readable.
         **openmpi_settings(),
     }
+    if launcher == "mpi":
+        env.update(witness.witnessed_mpi_settings())  # the traffic witness must see the ranks' messages
     for passed_through in ("CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "NVIDIA_VISIBLE_DEVICES"):
         if passed_through in os.environ:
             env[passed_through] = os.environ[passed_through]
     devices = sorted(Path("/dev").glob("nvidia*"))
-    return JobSpec(job_dir=job_dir, command=horovod_command(np, launcher, timeline_path, launcher_options),
+    return JobSpec(job_dir=job_dir, command=horovod_command(np, launcher, launcher_options),
                    env=env, np=np, time_budget_s=time_budget_s, grace_s=grace_s, logs_dir=logs_dir,
-                   output_dir=output_dir, timeline_path=timeline_path, sandbox=sandbox, sandbox_uid=sandbox_uid,
-                   hidden_paths=[Path(p) for p in hidden_paths], readonly_paths=sandbox_module.software_paths(),
-                   device_paths=devices)
+                   output_dir=output_dir, sandbox=sandbox, sandbox_uid=sandbox_uid,
+                   hidden_paths=[Path(p) for p in hidden_paths], device_paths=devices)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The sandbox
-# ---------------------------------------------------------------------------------------------------------------
-
-def _is_under(path: Path, ancestor: Path) -> bool:
-    return path == ancestor or ancestor in path.parents
-
-
-def sandbox_argv(job: JobSpec) -> list[str]:
-    """The argv that runs ``job.command`` in bubblewrap (``job.command`` itself when ``job.sandbox`` is False).
-
-    The whole file system is read-only; /tmp, /dev/shm and every hidden path are empty tmpfs; the software and
-    the job directory are bound back (the job directory writable); no network (a private loopback only), a
-    private PID namespace (killing bwrap kills every process of the job), a new session (no terminal), and as
-    root the command drops to ``job.sandbox_uid`` with no capabilities and no way to regain privileges.
-    """
+def sandbox_argv(job: JobSpec, private_dir: Path, binds=()) -> list[str]:
+    """The argv that runs ``job.command`` in the sandbox (``job.command`` itself when ``job.sandbox`` is False):
+    the job directory writable, ``binds`` (the timeline's file), no network but a private loopback, a private PID
+    namespace (killing bwrap kills every process of the job), a new session, and as root the job's own uid with
+    no capabilities. ``private_dir`` is the grader's, for the sandbox's generated files."""
     if not job.sandbox:
         return list(job.command)
-    bwrap = sandbox_module.bwrap_path()
-    if bwrap is None:
-        raise LaunchError("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
-    hidden = sorted({Path(p).resolve() for p in job.hidden_paths} - SYSTEM_PATHS, key=lambda p: len(p.parts))
-    hidden = [p for p in hidden if p.exists() and p.is_dir()]
-    argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-            "--perms", "1777", "--tmpfs", "/tmp", "--perms", "1777", "--tmpfs", "/dev/shm"]
-    for device in job.device_paths:
-        argv += ["--dev-bind", str(device), str(device)]
-    for path in hidden:
-        argv += ["--tmpfs", str(path)]
-    covers = [Path("/tmp"), *hidden]
-    created: set[Path] = set()
-    binds = [(Path(p).resolve(), "--ro-bind") for p in job.readonly_paths]
-    binds.append((job.job_dir.resolve(), "--bind"))
-    for path, how in sorted(binds, key=lambda item: len(item[0].parts)):
-        cover = max((c for c in covers if _is_under(path, c) and c != path), key=lambda c: len(c.parts),
-                    default=None)
-        if cover is None and how == "--ro-bind":
-            continue  # already visible, read-only, through the root bind
-        if cover is not None:
-            # bwrap would create the missing parents as 0700 root: the unprivileged uid could not pass them.
-            for parent in reversed(path.parents):
-                if _is_under(parent, cover) and parent != cover and parent not in created:
-                    argv += ["--perms", "0755", "--dir", str(parent)]
-                    created.add(parent)
-        argv += [how, str(path), str(path)]
-    argv += ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session",
-             "--chdir", str(job.job_dir)]
-    argv += ["--clearenv"] + [arg for name, value in job.env.items() for arg in ("--setenv", name, value)]
-    argv.append("--")
-    if job.sandbox_uid is not None:
-        argv += [shutil.which("setpriv") or "/usr/bin/setpriv", f"--reuid={job.sandbox_uid}",
-                 f"--regid={job.sandbox_uid}", "--clear-groups", "--no-new-privs", "--inh-caps=-all"]
-    return argv + list(job.command)
+    try:
+        return sandbox_module.bwrap_argv(
+            job.command, binds=[sandbox_module.Bind(job.job_dir, job.job_dir, writable=True), *binds], env=job.env,
+            chdir=job.job_dir, private_dir=private_dir, uid=job.sandbox_uid, hidden=job.hidden_paths,
+            devices=job.device_paths)
+    except sandbox_module.SandboxError as error:
+        raise LaunchError(str(error)) from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Running and watching
 # ---------------------------------------------------------------------------------------------------------------
-
-class CappedLog:
-    """A log file that stops growing at ``cap_bytes`` and says at its end how much it dropped."""
-
-    def __init__(self, path: Path, cap_bytes: int):
-        self.path, self.cap_bytes = path, cap_bytes
-        self.handle = path.open("wb")
-        self.written = 0
-        self.dropped = 0
-
-    def write(self, chunk: bytes) -> None:
-        room = self.cap_bytes - self.written
-        if room > 0:
-            kept = chunk[:room]
-            self.handle.write(kept)
-            self.written += len(kept)
-            chunk = chunk[room:]
-        self.dropped += len(chunk)
-
-    def close(self) -> None:
-        if self.dropped:
-            self.handle.write(f"\n[scalelab: log capped at {self.cap_bytes} bytes; "
-                              f"{self.dropped} more bytes were dropped]\n".encode())
-        self.handle.close()
-
-
-class RankLogDemux:
-    """Splits horovodrun's merged output (``[rank]<stdout>:`` with Gloo, ``[1,rank]<stdout>:`` with MPI) into
-    ``rank-K.log`` files and ``launcher.log``, each capped; keeps only a bounded tail of each rank in memory
-    (for tracebacks) and the progress that rank 0 printed."""
-
-    def __init__(self, logs_dir: Path, cap_bytes: int = LOG_CAP_BYTES):
-        self.logs_dir, self.cap_bytes = logs_dir, cap_bytes
-        self.logs: dict[int | None, CappedLog] = {}
-        self.tails: dict[int, collections.deque] = {}
-        self.epochs_seen = 0
-        self.latest_accuracy: float | None = None
-        self.partial_lines: dict[tuple[int, bytes], bytes] = {}  # a rank's line that has not ended yet
-        self.lock = threading.Lock()
-
-    def _log(self, rank: int | None) -> CappedLog:
-        if rank not in self.logs:
-            name = "launcher.log" if rank is None else f"rank-{rank}.log"
-            self.logs[rank] = CappedLog(self.logs_dir / name, self.cap_bytes)
-        return self.logs[rank]
-
-    def feed_line(self, line: bytes) -> None:
-        first = RANK_TAG.match(line)
-        with self.lock:
-            if first is None:
-                self._log(None).write(line)
-                return
-            tags = list(MPI_TAG.finditer(line)) if MPI_TAG.match(line) else [first]
-            for tag, following in zip(tags, tags[1:] + [None]):
-                end = following.start() if following else len(line)
-                rank = int(tag.group(1))
-                if rank > 4096:  # not a real rank: output that only looks like a tag
-                    self._log(None).write(line[tag.start():end])
-                else:
-                    self._take(rank, tag.group(2), line[tag.end():end])
-
-    def _take(self, rank: int, stream: bytes, content: bytes) -> None:
-        """A piece of one rank's output: into its log now; into its tail and progress once its line is whole."""
-        self._log(rank).write(content)
-        key = (rank, stream)
-        pending = self.partial_lines.pop(key, b"") + content
-        if pending.endswith(b"\n") or len(pending) >= LINE_CAP_BYTES \
-                or len(self.partial_lines) >= UNENDED_LINES_CAP:
-            self._line_seen(rank, stream, pending)
-        else:
-            self.partial_lines[key] = pending
-
-    def _line_seen(self, rank: int, stream: bytes, line: bytes) -> None:
-        text = line.decode("utf-8", "replace").rstrip("\n")
-        self.tails.setdefault(rank, collections.deque(maxlen=400)).append(text[:2000])
-        if rank == 0 and stream == b"stdout":
-            epoch = EPOCH_LINE.search(text)
-            if epoch:
-                self.epochs_seen = max(self.epochs_seen, int(epoch.group(1)))
-                accuracies = dict((name, value) for name, value in ACCURACY_IN_LINE.findall(text))
-                value = accuracies.get("val_accuracy", accuracies.get("accuracy"))
-                if value is not None:
-                    self.latest_accuracy = float(value)
-
-    def pump(self, stream) -> None:
-        """Read ``stream`` to its end, line by line, with lines cut at LINE_CAP_BYTES (memory stays bounded)."""
-        pending_rank_prefix = b""
-        while True:
-            line = stream.readline(LINE_CAP_BYTES)
-            if not line:
-                break
-            if not line.endswith(b"\n"):
-                # An over-long line: keep its rank prefix on the continuation so it lands in the same log.
-                match = RANK_TAG.match(line)
-                self.feed_line(pending_rank_prefix + line if match is None else line)
-                if match is not None:
-                    pending_rank_prefix = match.group(0)
-                continue
-            self.feed_line(line if RANK_TAG.match(line) else pending_rank_prefix + line)
-            pending_rank_prefix = b""
-
-    def tracebacks(self) -> dict[int, str]:
-        """The last Python traceback (or fatal error) of each rank, as the rank printed it."""
-        found = {}
-        for rank, tail in self.tails.items():
-            lines = list(tail)
-            starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
-            if starts:
-                block = lines[starts[-1]:]
-                # the traceback ends at its first unindented line after the header: the exception itself
-                for end, line in enumerate(block[1:], start=1):
-                    if line and not line.startswith((" ", "\t")):
-                        block = block[:end + 1]
-                        break
-                found[rank] = "\n".join(block[-25:])
-        return found
-
-    def close(self) -> tuple[dict[int, str], str, list[str]]:
-        with self.lock:
-            for (rank, stream), unended in self.partial_lines.items():  # output that ended without a newline
-                self._line_seen(rank, stream, unended)
-            self.partial_lines.clear()
-            launcher = self._log(None)
-            for log in self.logs.values():
-                log.close()
-            ranks = {rank: str(log.path) for rank, log in self.logs.items() if rank is not None}
-            truncated = [str(log.path) for log in self.logs.values() if log.dropped]
-        return ranks, str(launcher.path), truncated
-
 
 def _limit_resources(job: JobSpec) -> Callable[[], None]:
     def apply() -> None:
@@ -449,17 +279,100 @@ def kill_survivors(session_id: int, sandbox_uid: int | None, wait_s: float = 5.0
 
 
 def _latest_mtime(path: Path) -> str | None:
-    try:
-        return dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).isoformat(timespec="seconds")
+    try:  # the run's own file: never follow a link it made
+        return dt.datetime.fromtimestamp(os.stat(path, follow_symlinks=False).st_mtime,
+                                         dt.timezone.utc).isoformat(timespec="seconds")
     except OSError:
         return None
 
 
+def _is_rank_main(process: psutil.Process) -> bool:
+    """A rank's own Python running assessment.py (not horovodrun or mpirun, whose command lines name it too)."""
+    try:
+        command = process.cmdline()
+    except psutil.Error:
+        return False
+    return (len(command) >= 2 and command[-1] == "assessment.py" and Path(command[0]).name.startswith("python")
+            and not any(Path(argument).name in ("horovodrun", "mpirun") for argument in command))
+
+
+class SandboxWatch:
+    """What the grader sees of the processes inside the sandbox, sampled on its own clock: the loopback
+    traffic, and processes that outlive every rank (orphans of a rank, re-parented to the sandbox's init)."""
+
+    def __init__(self, leader: subprocess.Popen, sandboxed: bool):
+        self.leader, self.sandboxed = leader, sandboxed
+        self.init: psutil.Process | None = None  # bwrap's process inside the new namespaces
+        self.launcher_pid: int | None = None     # init's first child: horovodrun (or the shell running mpirun)
+        self.loopback_bytes: int | None = None
+        self.strays_seen_before = False
+
+    def _sandbox_init(self) -> psutil.Process | None:
+        if self.init is None and self.sandboxed:
+            try:
+                children = psutil.Process(self.leader.pid).children()
+                self.init = children[0] if children else None
+            except psutil.Error:
+                pass
+        return self.init
+
+    def sample_traffic(self) -> None:
+        init = self._sandbox_init()
+        if init is not None:
+            sent = witness.loopback_bytes(init.pid)
+            if sent is not None:
+                self.loopback_bytes = max(self.loopback_bytes or 0, sent)
+
+    def strays(self) -> list[psutil.Process]:
+        """Processes that lost their parent (re-parented to the sandbox's init) while no rank runs any more:
+        what ranks left behind when they exited. [] otherwise, or when not seen twice in a row."""
+        init = self._sandbox_init()
+        if init is None:
+            return []
+        try:
+            children = init.children()
+            if self.launcher_pid is None and children:
+                self.launcher_pid = children[0].pid  # alone at first: the run starts with it
+            orphans = [process for process in children if process.pid != self.launcher_pid]
+            ranks_running = orphans and any(_is_rank_main(p) for p in init.children(recursive=True))
+        except psutil.Error:
+            return []
+        left_behind = bool(orphans) and not ranks_running
+        confirmed, self.strays_seen_before = left_behind and self.strays_seen_before, left_behind
+        return orphans if confirmed else []
+
+
+def _kill(processes: list[psutil.Process]) -> int:
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(processes, timeout=5)
+    return len(processes)
+
+
 def run_local(job: JobSpec, on_progress: Callable[[dict], None] | None = None) -> RunResult:
     """Run the job on this machine: own session, budget + grace then SIGTERM, SIGKILL; no survivors."""
-    argv = sandbox_argv(job)
+    private_dir = Path(tempfile.mkdtemp(prefix="scalelab-run-"))
+    try:
+        return _run_local(job, on_progress, private_dir)
+    finally:
+        shutil.rmtree(private_dir, ignore_errors=True)
+
+
+def _run_local(job: JobSpec, on_progress, private_dir: Path) -> RunResult:
+    timeline = witness.TimelineStream(private_dir)
+    timeline.allow(job.sandbox_uid)
+    command_inside = {str(witness.TIMELINE_INSIDE): str(timeline.path)}
+    if job.sandbox:
+        argv = sandbox_argv(job, private_dir, [sandbox_module.Bind(timeline.path, witness.TIMELINE_INSIDE,
+                                                                   writable=True)])
+    else:  # no sandbox: horovodrun writes the grader's file where it is
+        argv = [command_inside.get(argument, argument) for argument in job.command]
     demux = RankLogDemux(job.logs_dir, job.log_cap_bytes)
     started_at = utc_now()
+    timeline.start()
     started = time.monotonic()
     try:
         leader = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -467,22 +380,29 @@ def run_local(job: JobSpec, on_progress: Callable[[dict], None] | None = None) -
                                   cwd=job.job_dir, start_new_session=True, preexec_fn=_limit_resources(job))
     except OSError as error:
         demux.close()
+        timeline.stop()
         raise LaunchError(f"could not start {argv[0]}: {error}") from error
     reader = threading.Thread(target=demux.pump, args=(leader.stdout,), daemon=True)
     reader.start()
+    watch = SandboxWatch(leader, job.sandbox)
     deadline = job.time_budget_s + job.grace_s
     timed_out = killed = False
     terminated_at = None
-    next_progress = 0.0
+    next_progress = next_stray_check = 0.0
+    strays_killed = 0
     try:
         while leader.poll() is None:
             elapsed = time.monotonic() - started
+            watch.sample_traffic()
             if on_progress is not None and elapsed >= next_progress:
                 next_progress = elapsed + PROGRESS_INTERVAL_S
                 on_progress({"state": "running", "elapsed_s": round(elapsed, 1),
                              "time_budget_s": job.time_budget_s, "epochs_seen": demux.epochs_seen,
                              "latest_accuracy": demux.latest_accuracy,
                              "checkpoint_mtime": _latest_mtime(job.output_dir / "model.keras")})
+            if elapsed >= next_stray_check and terminated_at is None:
+                next_stray_check = elapsed + STRAY_CHECK_INTERVAL_S
+                strays_killed += _kill(watch.strays())  # horovodrun then ends with the ranks' own status
             if elapsed >= deadline and terminated_at is None:
                 timed_out = True
                 terminated_at = elapsed
@@ -493,7 +413,7 @@ def run_local(job: JobSpec, on_progress: Callable[[dict], None] | None = None) -
                 leader.wait(timeout=30)
                 break
             try:  # returns as soon as horovodrun exits: the clock stops then, not at the next tick
-                leader.wait(timeout=0.25)
+                leader.wait(timeout=WATCH_INTERVAL_S)
             except subprocess.TimeoutExpired:
                 pass
     finally:
@@ -506,8 +426,11 @@ def run_local(job: JobSpec, on_progress: Callable[[dict], None] | None = None) -
     # horovodrun is gone; its pipe closes once every process holding it is gone too.
     reader.join(timeout=10)
     leader.stdout.close()
+    evidence = timeline.stop()
     rank_logs, launcher_log, truncated = demux.close()
     return RunResult(exit_code=None if killed else leader.returncode, wall_time_s=round(wall_time_s, 2),
-                     timed_out=timed_out, killed=killed, started_at=started_at, finished_at=finished_at,
+                     timed_out=timed_out, started_at=started_at, finished_at=finished_at,
                      rank_logs=rank_logs, launcher_log=launcher_log, rank_tracebacks=demux.tracebacks(),
-                     truncated_logs=truncated, epochs_seen=demux.epochs_seen, survivors_killed=survivors)
+                     truncated_logs=truncated, epochs_seen=demux.epochs_seen, survivors_killed=survivors,
+                     strays_killed=strays_killed, timeline=dataclasses.asdict(evidence),
+                     loopback_bytes=watch.loopback_bytes)

@@ -1,14 +1,16 @@
-"""``assess()``: one submission through spec → launch → verify → store, ending in a verdict dict.
+"""``assess()``: one submission through spec → launch → verify (the model) and witness (the evidence) → store,
+ending in a verdict dict.
 
-The verdict is a stable JSON contract (see the README and issue #3). ``assess`` never raises for a problem of
-the submission (that is a ``fail``/``timeout`` verdict), and when the grader itself fails it still writes a
-verdict, ``error``, with the reason.
+The verdict is a stable JSON contract (its fields are listed in the README). ``assess`` never raises for a
+problem of the submission (that is a ``fail``/``timeout`` verdict), and when the grader itself fails or is
+stopped it still writes a verdict, ``error``, with the reason.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import traceback
 import uuid
@@ -17,8 +19,9 @@ from typing import Callable
 
 from scalelab import __version__, data as course_data, environment
 
-from . import launch, spec, store, verify
+from . import launch, spec, store, verify, witness
 from . import sandbox as sandbox_module
+from .verdict import new_verdict
 
 SUBMISSION_SIZE_LIMIT_BYTES = 1 << 20
 
@@ -42,12 +45,27 @@ def paths_to_hide(out_dir: Path, database: Path | None, extra=()) -> list[Path]:
     return sorted(Path(p).resolve() for p in hidden if Path(p).exists())
 
 
-def _rank_failure_reasons(run: launch.RunResult) -> list[str]:
+FILE_IN_TRACEBACK = re.compile(r'File "([^"]+)"')
+
+
+def student_facing(text: str, job_dir: Path) -> str:
+    """A traceback as the student wrote the script: their file as assessment.py (with its line), other files
+    by their last two path components, never the grader's or the machine's paths."""
+    def shorten(match: re.Match) -> str:
+        path = Path(match.group(1))
+        if path.is_absolute() and path.is_relative_to(job_dir):
+            return f'File "{path.relative_to(job_dir)}"'
+        return f'File "{Path(*path.parts[-2:]) if len(path.parts) > 2 else path}"'
+    return FILE_IN_TRACEBACK.sub(shorten, text).replace(f"{job_dir}/", "")
+
+
+def _rank_failure_reasons(run: launch.RunResult, job_dir: Path) -> list[str]:
     reasons = [f"the run failed: horovodrun exited with status {run.exit_code} after {run.wall_time_s:.0f} s."]
     # The rank that failed first comes first: the others only report that Horovod shut down because of it.
     def consequence(item):
         return "Horovod has been shut down" in item[1], item[0]
     for rank, text in sorted(run.rank_tracebacks.items(), key=consequence)[:2]:
+        text = student_facing(text, job_dir)
         last_line = text.strip().splitlines()[-1] if text.strip() else ""
         if len(last_line) > 300:
             last_line = last_line[:300] + " …"
@@ -58,8 +76,26 @@ def _rank_failure_reasons(run: launch.RunResult) -> list[str]:
     return reasons
 
 
+def _accuracy_reason(model: verify.ModelCheck, track: spec.Track) -> str:
+    reason = (f"held-out accuracy {model.heldout_accuracy:.4f} is below the target {track.target_accuracy:.4f}: "
+              f"train longer or better within the budget.")
+    tried = model.accuracy_with_preprocessing or {}
+    if tried:
+        how, accuracy = max(tried.items(), key=lambda item: item[1])
+        # Named only when preprocessing alone would have reached the target: then it is the cause, not a hint.
+        if accuracy >= track.target_accuracy and accuracy >= model.heldout_accuracy + 0.05:
+            reason = (f"held-out accuracy {model.heldout_accuracy:.4f} is below the target "
+                      f"{track.target_accuracy:.4f}, yet the same model reaches {accuracy:.4f} when the pixels are "
+                      f"first {how} (measured for this message only, never for the verdict): it was trained on "
+                      f"pixels preprocessed outside the model, and the grader feeds the saved model raw 0-255 "
+                      f"pixels, as the data loaders give them. Put the preprocessing inside the model, as its "
+                      f"first layer (tf.keras.layers.Rescaling(1/255), or a Normalization layer adapted to the "
+                      f"training images), and feed it raw pixels.")
+    return reason
+
+
 def decide(verdict: dict, track: spec.Track, run: launch.RunResult, model: verify.ModelCheck,
-           evidence: verify.TimelineEvidence) -> None:
+           timeline: witness.TimelineEvidence, traffic: witness.TrafficEvidence, job_dir: Path) -> None:
     """Fill ``verdict`` (verdict and reasons) from what was measured. Pass iff every condition holds."""
     reasons = []
     budget = track.time_budget_s
@@ -77,15 +113,14 @@ def decide(verdict: dict, track: spec.Track, run: launch.RunResult, model: verif
         return
     if run.exit_code != 0:
         verdict["verdict"] = "fail"
-        verdict["reasons"] = _rank_failure_reasons(run)
+        verdict["reasons"] = _rank_failure_reasons(run, job_dir)
         return
     if model.heldout_accuracy is None:
         reasons.append(model.reason)
     elif model.heldout_accuracy < track.target_accuracy:
-        reasons.append(f"held-out accuracy {model.heldout_accuracy:.4f} is below the target "
-                       f"{track.target_accuracy:.4f}: train longer or better within the budget.")
-    reasons += verify.evidence_problems(evidence, verdict["np"], model.trainable_variables,
-                                        track.min_spread_deciles, run.epochs_seen)
+        reasons.append(_accuracy_reason(model, track))
+    reasons += witness.evidence_problems(timeline, traffic, verdict["np"], model.trainable_variables,
+                                         track.min_spread_deciles)
     if reasons:
         verdict["verdict"], verdict["reasons"] = "fail", reasons
     else:
@@ -103,15 +138,10 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
     out_dir = Path(out_dir) if out_dir else store.new_run_dir(Path(submission_path).stem)
     out_dir.mkdir(parents=True, exist_ok=True)
     logs_dir = out_dir / "logs"
-    verdict: dict = {
-        "verdict": "error", "reasons": [], "notes": [], "heldout_accuracy": None, "target_accuracy": None,
-        "wall_time_s": None, "time_budget_s": None, "np": np, "ranks_seen": [], "allreduce_count": 0,
-        "allreduced_tensors": 0, "active_deciles": 0, "trainable_variables": None, "epochs_seen": 0,
-        "exit_code": None, "track": getattr(track_name, "name", track_name), "dataset": None, "submission": str(submission_path),
-        "submission_sha256": None, "student": student, "started_at": launch.utc_now(), "finished_at": None,
-        "logs_dir": str(logs_dir), "out_dir": str(out_dir), "model_path": None, "backend": backend,
-        "sandboxed": not allow_unsandboxed, "sandbox_uid": None, "grader_version": __version__, "environment": None,
-    }
+    verdict = new_verdict(
+        np=np, track=getattr(track_name, "name", track_name), submission=str(submission_path), student=student,
+        started_at=launch.utc_now(), logs_dir=str(logs_dir), out_dir=str(out_dir), backend=backend,
+        sandboxed=not allow_unsandboxed, grader_version=__version__)
     job_dir = heldout = None
 
     def report(state: dict) -> None:
@@ -147,6 +177,7 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
             sandbox = False
             verdict["notes"].append(f"ran WITHOUT a sandbox, as the instructor allowed: {problem}")
         verdict["sandboxed"] = sandbox
+        store.private_home()
         job_dir = store.jobs_root() / f"{uuid.uuid4().hex[:12]}"
         job_dir.parent.mkdir(parents=True, exist_ok=True)
         hidden = paths_to_hide(out_dir, database, extra_hidden)
@@ -155,7 +186,7 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
                                  time_budget_s=track.time_budget_s, grace_s=track.grace_s, logs_dir=logs_dir,
                                  hidden_paths=hidden, sandbox=sandbox)
         verdict["sandbox_uid"] = job.sandbox_uid
-        heldout = verify.HeldoutProcess(track.dataset, sandboxed=sandbox)
+        heldout = verify.HeldoutProcess(track.dataset, sandboxed=sandbox, explain_below=track.target_accuracy)
         heldout.start_ahead()  # imports TensorFlow at idle priority while the run goes on
         try:
             if backend == "local":
@@ -174,14 +205,24 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
                 "checkpoint_mtime": None})
         owner_uid = job.sandbox_uid if job.sandbox_uid is not None else os.getuid()
         model = heldout.measure(job.job_dir, "output/model.keras", owner_uid)
-        evidence = verify.timeline_evidence(job.job_dir, job.timeline_path.name, owner_uid)
+        timeline = witness.TimelineEvidence(**run.timeline) if run.timeline else witness.TimelineCounter().evidence()
+        traffic = witness.traffic_evidence(run.loopback_bytes, timeline, model.trainable_parameters,
+                                           model.trainable_variables, np)
         verdict.update(heldout_accuracy=model.heldout_accuracy, trainable_variables=model.trainable_variables,
-                       ranks_seen=evidence.ranks_seen, allreduce_count=evidence.allreduce_count,
-                       allreduced_tensors=evidence.allreduced_tensors, active_deciles=evidence.active_deciles)
-        decide(verdict, track, run, model, evidence)
+                       ranks_seen=timeline.ranks_seen, allreduce_count=timeline.allreduce_count,
+                       allreduced_tensors=timeline.allreduced_tensors, active_deciles=timeline.active_deciles,
+                       witnesses=witness.figures(timeline, traffic, model.trainable_parameters))
+        decide(verdict, track, run, model, timeline, traffic, job.job_dir)
+        if run.loopback_bytes is None and verdict["verdict"] != "timeout":
+            verdict["notes"].append("the ranks' traffic was not measured (it is counted on the sandbox's own "
+                                    "network, and this run had no sandbox).")
         if run.truncated_logs:
             verdict["notes"].append(f"output was capped at {job.log_cap_bytes} bytes per log: "
                                     + ", ".join(Path(p).name for p in run.truncated_logs))
+        if run.strays_killed:
+            verdict["notes"].append(f"every rank had exited, but {run.strays_killed} processes they started were "
+                                    f"still running and kept horovodrun from ending; the grader ended them at once "
+                                    f"(a run must stop what it starts).")
         if run.survivors_killed:
             verdict["notes"].append(f"{run.survivors_killed} processes of the run outlived horovodrun and were "
                                     f"killed by the grader.")
@@ -193,6 +234,11 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
         verdict["reasons"] = [f"internal error in the grader (not your submission's fault): "
                               f"{type(error).__name__}: {error}"]
         (out_dir / "grader-error.log").write_text(traceback.format_exc())
+    except BaseException:  # stopped (SIGTERM, Ctrl-C): the stored verdict says so, and nothing counts
+        verdict["verdict"] = "error"
+        verdict["reasons"] = ["the grader was stopped before this submission was graded; nothing was "
+                              "measured. Submit it again."]
+        raise
     finally:
         if heldout is not None:
             heldout.close()

@@ -176,7 +176,12 @@ def sandbox_works() -> str | None:
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"bubblewrap could not start: {error}"
     if probe.returncode != 0:
-        return f"bubblewrap could not start a sandbox here: {probe.stderr.strip()}"
+        reason = f"bubblewrap could not start a sandbox here: {probe.stderr.strip()}"
+        if "mount proc" in probe.stderr:
+            # Container engines mask parts of /proc, which forbids a fresh proc mount inside the container.
+            reason += (" (inside a container: start it with `--security-opt unmask=ALL` under podman or "
+                       "`--security-opt systempaths=unconfined` under docker, as containers/README.md shows)")
+        return reason
     return None
 
 

@@ -7,12 +7,13 @@ all under ``/scalelab/api/`` and guarded by Jupyter's own authentication:
 - ``POST /scalelab/api/assessments``        submit: copies the student's ``assessment/assessment.py`` now
                                             (201 with a new job; 200 with the student's active job, if any;
                                             429 with ``Retry-After`` sooner than ``min_seconds_between_submissions``
-                                            after the student's previous submission)
+                                            after the student's previous submission; 400 for a link or anything
+                                            but a plain file, which is never followed or read)
 - ``GET  /scalelab/api/assessments``        the student's history, newest first
 - ``GET  /scalelab/api/assessments/<id>``   one job: queued (+ position), running (+ progress), done (+ verdict)
                                             or interrupted (+ reason)
 
-Grading happens in the server's worker threads (``GradingWorkers``), each running ``scalelab assess`` as its own
+Grading happens in the server's worker threads (``workers.py``), each running ``scalelab assess`` as its own
 process: never in the student's kernel. Settings are traitlets config on ``AssessService`` (see its traits), e.g.
 ``--AssessService.slots=2 --AssessService.track=fashion-mnist-cpu``.
 
@@ -32,12 +33,15 @@ would be a new student, and the one-active-job and rate-limit rules would hold f
 from __future__ import annotations
 
 import atexit
+import errno
 import getpass
 import hashlib
 import math
+import os
 import re
 import shutil
 import socket
+import stat
 import uuid
 from pathlib import Path
 
@@ -51,9 +55,11 @@ from traitlets.config import LoggingConfigurable
 
 from scalelab.runtime import usable_cores
 
-from . import commands, pipeline, spec, store
-from .queue import (DONE, INTERRUPTED, MAX_JOB_ID, QUEUED, RUNNING, AssessQueue, GraderSettings, GradingWorkers,
-                    JobRetention, QueueFull, TooSoon, open_private, sqlite_url)
+from . import spec, store
+from .pipeline import SUBMISSION_SIZE_LIMIT_BYTES
+from .queue import DONE, INTERRUPTED, MAX_JOB_ID, QUEUED, RUNNING, AssessQueue, QueueFull, TooSoon, sqlite_url
+from .submission import NotASubmission, check_submission_file
+from .workers import GraderSettings, GradingWorkers, JobRetention, open_private
 
 API_PREFIX = "scalelab/api"
 SERVICE_SETTINGS_KEY = "scalelab_assess_service"
@@ -150,6 +156,9 @@ class AssessService(LoggingConfigurable):
         self.track_spec = spec.load_track(self.track_name, self.tracks_file or None)
         self.track_name = self.track_spec.name
         home = store.scalelab_home() / "assess"
+        if not (self.jobs_dir and self.database_url):  # a default lives there
+            home.mkdir(mode=0o700, parents=True, exist_ok=True)
+            home.chmod(0o700)  # the queue's database holds every student's verdicts: not for other accounts
         self.jobs_root = Path(self.jobs_dir) if self.jobs_dir else home / "jobs"
         self.jobs_root.mkdir(parents=True, exist_ok=True)
         self.jobs_root.chmod(0o700)  # students' files and grader output: not for other accounts
@@ -195,38 +204,68 @@ class AssessService(LoggingConfigurable):
 
     def submission_file(self, student: str) -> Path:
         relative = self.submission_path.format(student=safe_student_name(student))
-        path = (self.root_dir / relative).resolve()
-        if not path.is_relative_to(self.root_dir):
+        # Normalized, not resolved: links in the student's part of the path are refused when it is read.
+        path = Path(os.path.normpath(self.root_dir / relative))
+        if not path.is_relative_to(self.root_dir) or path == self.root_dir:
             raise SubmissionProblem(400, f"the configured submission path {relative} is outside the server's "
                                          f"root directory; ask your instructor to fix the Assess service.")
         return path
+
+    def read_submission(self, source: Path) -> bytes:
+        """The student's file, opened without following links, one path component at a time below the root.
+
+        The server's account may read more than the student (other students' files, the grader's state): a
+        link would have it copy such a file and grade it. Only a plain file under the size limit is read.
+        """
+        shown = source.relative_to(self.root_dir)
+        limit = SUBMISSION_SIZE_LIMIT_BYTES
+        *folders, name = shown.parts
+        try:
+            directory = os.open(self.root_dir, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            raise _missing(shown) from None
+        try:
+            for depth, folder in enumerate(folders, start=1):
+                inner = _open_below(directory, folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, shown,
+                                    Path(*shown.parts[:depth]))
+                os.close(directory)
+                directory = inner
+            # O_NONBLOCK: a named pipe must not hang the request; it is refused just below.
+            descriptor = _open_below(directory, name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, shown, shown)
+        finally:
+            os.close(directory)
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            os.close(descriptor)
+            raise SubmissionProblem(400, f"{shown} is not a plain file; save your script as a plain file "
+                                         f"{shown} and click Assess again.")
+        with os.fdopen(descriptor, "rb") as stream:
+            content = stream.read(limit + 1)  # bounded: the file may have grown since fstat
+        size = max(status.st_size, len(content))
+        if size > limit:
+            raise SubmissionProblem(400, f"{shown} is {size} bytes, over the {limit} byte limit for a submission.")
+        return content
 
     def submit(self, student: str) -> tuple[dict, bool]:
         """Copy the student's file into a new job directory and queue it (or return the active job)."""
         source = self.submission_file(student)
         shown = source.relative_to(self.root_dir)
-        if not source.is_file():
-            raise SubmissionProblem(404, f"There is no {shown} to assess: save your script as {shown} "
-                                         f"(next to the assessment notebook) and click Assess again.")
-        size = source.stat().st_size
-        if size > pipeline.SUBMISSION_SIZE_LIMIT_BYTES:
-            raise SubmissionProblem(400, f"{shown} is {size} bytes, over the "
-                                         f"{pipeline.SUBMISSION_SIZE_LIMIT_BYTES} byte limit for a submission.")
+        # The copy, made now, is what gets graded: later edits do not change a queued job.
+        content = self.read_submission(source)
         job_dir = self.jobs_root / uuid.uuid4().hex
         job_dir.mkdir(mode=0o700)
         try:
-            # The copy, made now, is what gets graded: later edits do not change a queued job.
             copy = job_dir / "assessment.py"
-            with open(source, "rb") as original, open_private(copy, "xb") as private_copy:
-                shutil.copyfileobj(original, private_copy)
+            with open_private(copy, "xb") as private_copy:
+                private_copy.write(content)
             try:
-                commands.check_submission_file(copy)
-            except commands.UsageError as error:
+                check_submission_file(copy)
+            except NotASubmission as error:
                 raise SubmissionProblem(400, f"{shown} cannot be assessed: "
                                              f"{str(error).replace(str(copy), 'the file')}.") from None
             job, created = self.queue.submit(
                 student=student, track=self.track_name, backend=self.backend, job_dir=job_dir,
-                submission_path=str(source), submission_sha256=hashlib.sha256(copy.read_bytes()).hexdigest(),
+                submission_path=str(source), submission_sha256=hashlib.sha256(content).hexdigest(),
                 max_queued=self.max_queued, min_seconds_between_submissions=self.min_seconds_between_submissions)
         except TooSoon as too_soon:
             shutil.rmtree(job_dir, ignore_errors=True)
@@ -283,6 +322,29 @@ class AssessService(LoggingConfigurable):
                 "submission_path": self.submission_path,
                 "min_seconds_between_submissions": self.min_seconds_between_submissions,
                 "counts": self.queue.counts()}
+
+
+def _missing(shown: Path) -> SubmissionProblem:
+    return SubmissionProblem(404, f"There is no {shown} to assess: save your script as {shown} (next to the "
+                                  f"assessment notebook) and click Assess again.")
+
+
+def _open_below(directory: int, name: str, flags: int, shown: Path, opened: Path) -> int:
+    """``os.open(name, flags, dir_fd=directory)``, its failure turned into a sentence for the student."""
+    try:
+        return os.open(name, flags, dir_fd=directory)
+    except OSError as error:
+        try:
+            is_link = stat.S_ISLNK(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode)
+        except OSError:
+            is_link = False
+        if is_link:
+            raise SubmissionProblem(400, f"{opened} is a link; save your script as a plain file {shown} (not a "
+                                         f"link, nor in a linked folder) and click Assess again.") from None
+        if error.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise _missing(shown) from None
+        raise SubmissionProblem(400, f"{shown} cannot be read ({error.strerror}); save your script as a plain "
+                                     f"file {shown} that you can read and click Assess again.") from None
 
 
 def _allowed(record: dict | None, fields: tuple[str, ...]) -> dict | None:

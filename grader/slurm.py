@@ -246,7 +246,7 @@ def _cancelled_without_result(job: launch.JobSpec, started: dict, wall_time_s: f
                               epochs_seen: int) -> launch.RunResult:
     """When Slurm killed the runner before it could report: what the grader itself knows of the run."""
     rank_logs = {int(path.stem.split("-")[1]): str(path) for path in job.logs_dir.glob("rank-*.log")}
-    return launch.RunResult(exit_code=None, wall_time_s=round(wall_time_s, 2), timed_out=True, killed=True,
+    return launch.RunResult(exit_code=None, wall_time_s=round(wall_time_s, 2), timed_out=True,
                             started_at=started.get("started_at") or launch.utc_now(), finished_at=launch.utc_now(),
                             rank_logs=rank_logs, launcher_log=str(job.logs_dir / "launcher.log"),
                             rank_tracebacks={}, truncated_logs=[], epochs_seen=epochs_seen, survivors_killed=0)

@@ -38,8 +38,8 @@ CANCEL_KILL_AFTER_S = 2.0
 BACKSTOP_AFTER_GRADER_S = 10.0
 # Variables Slurm sets for the allocation that the submission's environment needs (GPUs granted by --gres).
 ALLOCATION_VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
-_PATH_FIELDS = ("job_dir", "logs_dir", "output_dir", "timeline_path")
-_PATH_LIST_FIELDS = ("hidden_paths", "readonly_paths", "device_paths")
+_PATH_FIELDS = ("job_dir", "logs_dir", "output_dir")
+_PATH_LIST_FIELDS = ("hidden_paths", "device_paths")
 
 
 def job_to_json(job: launch.JobSpec) -> str:

@@ -20,6 +20,14 @@ LAUNCHERS = ("gloo", "mpi")
 ALL_GPUS = "all-gpus"
 
 
+# A track is calibrated when at least MIN_CALIBRATION_RUNS reference runs each used BUDGET_SHARE of the budget
+# (the budget measures speed, yet an honest run is not cut off) and cleared the target by ACCURACY_MARGIN, and
+# the unmodified serial script failed.
+MIN_CALIBRATION_RUNS = 5
+BUDGET_SHARE = (0.6, 0.8)
+ACCURACY_MARGIN = 0.03
+
+
 class SpecError(ValueError):
     """The track file or the track asked for is not usable; the message says what to fix."""
 
@@ -38,6 +46,30 @@ class Track:
     description: str = ""
     calibration: dict = dataclasses.field(default_factory=dict)  # the figures the track was calibrated with
 
+    def calibration_problems(self) -> list[str]:
+        """Why the recorded calibration does not meet the rule (see BUDGET_SHARE); empty when it does.
+        A track measured on no machine yet says so in its table: ``status = "uncalibrated"``."""
+        figures = self.calibration
+        if not figures or figures.get("status") == "uncalibrated":
+            return [f"track {self.name!r} is not calibrated: run `scalelab calibrate --track {self.name} --runs "
+                    f"{MIN_CALIBRATION_RUNS} --record` on the grading machine"]
+        problems = []
+        times = figures.get("reference_wall_time_s") or []
+        accuracies = figures.get("reference_heldout_accuracy") or []
+        if len(times) < MIN_CALIBRATION_RUNS or len(accuracies) != len(times):
+            problems.append(f"{len(times)} reference runs recorded, {MIN_CALIBRATION_RUNS} needed")
+        low, high = (share * self.time_budget_s for share in BUDGET_SHARE)
+        problems += [f"a reference run took {wall} s, outside {low:.0f}-{high:.0f} s ({BUDGET_SHARE[0]:.0%}-"
+                     f"{BUDGET_SHARE[1]:.0%} of the {self.time_budget_s:.0f} s budget)"
+                     for wall in times if not low <= wall <= high]
+        problems += [f"a reference run reached {accuracy}, less than {ACCURACY_MARGIN} over the target "
+                     f"{self.target_accuracy}" for accuracy in accuracies
+                     if accuracy < self.target_accuracy + ACCURACY_MARGIN - 1e-9]
+        if figures.get("baseline_verdict") not in ("fail", "timeout"):
+            problems.append(f"the unmodified serial script's verdict was {figures.get('baseline_verdict')!r}, "
+                            f"not a fail or timeout")
+        return problems
+
     def resolve_ranks(self, gpu_count: int) -> int:
         """The number of ranks to launch on a machine with ``gpu_count`` GPUs."""
         if self.ranks == ALL_GPUS:
@@ -46,9 +78,6 @@ class Track:
                                 f"choose a CPU track or give --np")
             return gpu_count
         return int(self.ranks)
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def tracks_file(path: str | os.PathLike | None = None) -> Path:

@@ -2,7 +2,8 @@
 
 Where things go: ``$SCALELAB_HOME`` (default ``~/.scalelab``) holds ``runs/`` (one out directory per assess),
 ``jobs/`` (the job directories while they run) and ``results.db``. A crash at any moment leaves either the old
-or the new verdict file (tmp + fsync + rename), and SQLite in WAL mode never leaves a half-written row.
+or the new verdict file (tmp + fsync + rename), and SQLite in WAL mode never leaves a half-written row. The
+database holds every student's verdicts: a directory the store creates for it is private to its account (0700).
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ def scalelab_home() -> Path:
     return Path(os.environ.get("SCALELAB_HOME") or Path.home() / ".scalelab")
 
 
+def private_home() -> Path:
+    """``scalelab_home()``, created readable by this account alone when it does not exist yet: it holds every
+    student's submissions, logs and verdicts."""
+    home = scalelab_home()
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return home
+
+
 def jobs_root() -> Path:
     return scalelab_home() / "jobs"
 
@@ -33,6 +42,7 @@ def default_database() -> Path:
 
 def new_run_dir(label: str) -> Path:
     """A fresh, uniquely named directory under runs/ (time first, so listings sort by age)."""
+    private_home()
     root = runs_root()
     root.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -84,7 +94,8 @@ class ResultsDatabase:
 
     def __init__(self, path: Path | None = None):
         self.path = Path(path or default_database())
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Every student's verdicts: a new directory for them is this account's alone.
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         with self._connect() as connection:
             connection.executescript(SCHEMA)
 
@@ -112,11 +123,3 @@ class ResultsDatabase:
                 "SELECT verdict_json FROM verdicts WHERE student IS ? AND track = ? AND submission_sha256 = ? "
                 "ORDER BY id DESC LIMIT 1", (student, track, submission_sha256)).fetchone()
         return json.loads(row[0]) if row else None
-
-    def all_latest(self, track: str) -> list[dict]:
-        with self._connect() as connection:
-            rows = connection.execute(
-                "SELECT student, verdict_json FROM verdicts WHERE id IN "
-                "(SELECT MAX(id) FROM verdicts WHERE track = ? GROUP BY student) ORDER BY student",
-                (track,)).fetchall()
-        return [dict(json.loads(document), student=student) for student, document in rows]

@@ -1,10 +1,9 @@
-"""What the grader measures itself after a run: held-out accuracy and evidence that all ranks trained together.
+"""What the grader measures itself after a run: the held-out accuracy of the model the run saved.
 
-Accuracy comes from ``scalelab.grader.heldout`` run in a separate process (:class:`HeldoutProcess`).
-Evidence comes from Horovod's timeline, which horovodrun writes because the grader asked for it
-(``--timeline-filename``): a Chrome-trace JSON array in which every tensor is a "process" (``ph: M`` events name it), operations are ``B``/``E`` pairs
-(``NEGOTIATE_ALLREDUCE``, ``ALLREDUCE``, ...), and during negotiation an ``X`` event named after each rank
-marks that the rank submitted the tensor. The file is unterminated if the job was killed: it is read leniently.
+The run's model is copied out of the job directory by the grader (``jobfiles``: no links, a regular file of the
+run's, bounded), refused if its config names code outside Keras, and measured by ``scalelab.grader.heldout`` in
+its own sandboxed process (:class:`HeldoutProcess`) on the held-out split, which the run never sees. The evidence
+that all ranks trained together is ``witness``'s.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from . import jobfiles, sandbox
 
 MODEL_SIZE_LIMIT_BYTES = 200 << 20
 HELDOUT_TIMEOUT_S = 600
-TIMELINE_SIZE_LIMIT_BYTES = 64 << 20
 
 
 @dataclasses.dataclass
@@ -36,16 +34,8 @@ class ModelCheck:
     reason: str | None            # why there is no accuracy (None when measured)
     trainable_variables: int | None
     images: int | None = None
-
-
-@dataclasses.dataclass
-class TimelineEvidence:
-    ranks_seen: list[int]          # ranks that submitted tensors for negotiation
-    allreduce_count: int           # allreduce operations performed
-    allreduced_tensors: int        # distinct tensor names allreduced
-    active_deciles: int            # tenths of the timeline's span with at least one allreduce
-    span_s: float                  # from the first to the last event
-    readable: bool                 # False: no timeline, or nothing parseable in it
+    trainable_parameters: int | None = None
+    accuracy_with_preprocessing: dict | None = None  # measured only below the target, for the reasons
 
 
 def _modules_named(node, found: set) -> set:
@@ -122,8 +112,8 @@ class HeldoutProcess:
 
     INSIDE = Path("/run/scalelab")
 
-    def __init__(self, dataset: str, sandboxed: bool = True):
-        self.dataset, self.sandboxed = dataset, sandboxed
+    def __init__(self, dataset: str, sandboxed: bool = True, explain_below: float | None = None):
+        self.dataset, self.sandboxed, self.explain_below = dataset, sandboxed, explain_below
         self.waiting: subprocess.Popen | None = None
         self.private_dir = Path(tempfile.mkdtemp(prefix="scalelab-heldout-"))
         self.model_dir = self.private_dir / "model"
@@ -136,6 +126,8 @@ class HeldoutProcess:
         files = heldout_files(self.dataset)
         variable = "SCALELAB_CIFAR10_DIR" if self.dataset == "cifar10" else "SCALELAB_FASHION_MNIST_DIR"
         command = [sys.executable, "-I", "-m", "scalelab.grader.heldout", model_argument, self.dataset]
+        if self.explain_below is not None:
+            command += ["--explain-below", repr(float(self.explain_below))]
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "TF_CPP_MIN_LOG_LEVEL": "2", "HOME": "/tmp",
                "KERAS_HOME": "/tmp/.keras", "MPLCONFIGDIR": "/tmp/.matplotlib", "CUDA_VISIBLE_DEVICES": ""}
         if not self.sandboxed:  # only where the instructor allowed grading without bubblewrap
@@ -195,7 +187,8 @@ class HeldoutProcess:
             raise RuntimeError(f"the held-out measurement failed (exit {process.returncode}): "
                                f"{stderr.strip()[-1500:]}")
         result = json.loads(lines[-1])
-        return ModelCheck(result["accuracy"], result["reason"], result["trainable_variables"], result.get("images"))
+        return ModelCheck(result["accuracy"], result["reason"], result["trainable_variables"], result.get("images"),
+                          result.get("trainable_parameters"), result.get("accuracy_with_preprocessing"))
 
     def close(self) -> None:
         """Stop a process started ahead that was never used, and remove the private copies."""
@@ -253,89 +246,3 @@ def _stop(process: subprocess.Popen | None) -> None:
         process.kill()
     if process is not None:
         process.communicate()
-
-
-def read_timeline_events(job_dir: Path, relative: str, owner_uid: int | None) -> list[dict]:
-    """The events of a timeline file the run's Horovod wrote, also when it was cut off mid-write (no closing
-    bracket, half an event); none when it is not a plain file of the run's (see jobfiles)."""
-    try:
-        text = jobfiles.read_regular_file(job_dir, relative, owner_uid=owner_uid,
-                                          limit_bytes=TIMELINE_SIZE_LIMIT_BYTES).decode("utf-8", "replace")
-    except jobfiles.UntrustedFile:
-        return []
-    decoder = json.JSONDecoder()
-    events, position = [], text.find("[") + 1
-    if position == 0:
-        return []
-    length = len(text)
-    while position < length:
-        while position < length and text[position] in " \t\r\n,":
-            position += 1
-        if position >= length or text[position] == "]":
-            break
-        try:
-            event, position = decoder.raw_decode(text, position)
-        except json.JSONDecodeError:
-            break  # the cut-off tail
-        if isinstance(event, dict):
-            events.append(event)
-    return events
-
-
-def timeline_evidence(job_dir: Path, relative: str, owner_uid: int | None) -> TimelineEvidence:
-    events = read_timeline_events(job_dir, relative, owner_uid)
-    tensor_names: dict[int, str] = {}
-    for event in events:
-        if event.get("ph") == "M" and event.get("name") == "process_name":
-            name = (event.get("args") or {}).get("name")
-            if isinstance(name, str):
-                tensor_names[event.get("pid")] = name
-    ranks, allreduce_times, allreduced = set(), [], set()
-    timestamps = []
-    negotiating: dict[int, str] = {}
-    for event in events:
-        phase, name, pid, timestamp = event.get("ph"), event.get("name"), event.get("pid"), event.get("ts")
-        if isinstance(timestamp, (int, float)) and pid in tensor_names:
-            timestamps.append(timestamp)
-        if phase == "B" and isinstance(name, str):
-            negotiating[pid] = name
-            if name == "ALLREDUCE" and isinstance(timestamp, (int, float)):
-                allreduce_times.append(timestamp)
-                if pid in tensor_names:
-                    allreduced.add(tensor_names[pid])
-        elif phase == "E":
-            negotiating.pop(pid, None)
-        elif phase == "X" and isinstance(name, str) and name.isdigit() \
-                and negotiating.get(pid, "").startswith("NEGOTIATE_"):
-            ranks.add(int(name))
-    span_s, active_deciles = 0.0, 0
-    if timestamps and allreduce_times:
-        first, last = min(timestamps), max(timestamps)
-        span = max(last - first, 1)
-        span_s = span / 1e6
-        active_deciles = len({min(9, int((t - first) * 10 / span)) for t in allreduce_times})
-    return TimelineEvidence(ranks_seen=sorted(ranks), allreduce_count=len(allreduce_times),
-                            allreduced_tensors=len(allreduced), active_deciles=active_deciles,
-                            span_s=round(span_s, 2), readable=bool(events))
-
-
-def evidence_problems(evidence: TimelineEvidence, np: int, trainable_variables: int | None,
-                      min_spread_deciles: int, epochs_seen: int) -> list[str]:
-    """Sentences saying what the timeline does not show (empty: all ranks trained together throughout)."""
-    problems = []
-    if not evidence.readable or evidence.allreduce_count == 0:
-        return ["Horovod's timeline shows no allreduce: the ranks did not train together. Wrap the optimizer "
-                "in hvd.DistributedOptimizer so gradients are averaged across ranks at every step."]
-    missing = sorted(set(range(np)) - set(evidence.ranks_seen))
-    if missing:
-        problems.append(f"ranks {missing} never took part in an allreduce (seen: {evidence.ranks_seen} of {np}); "
-                        f"every rank must call hvd.init() and train with the DistributedOptimizer.")
-    if trainable_variables and evidence.allreduced_tensors < trainable_variables:
-        problems.append(f"only {evidence.allreduced_tensors} distinct tensors were allreduced, fewer than the "
-                        f"model's {trainable_variables} trainable variables: all gradients must be averaged "
-                        f"(hvd.DistributedOptimizer).")
-    if evidence.active_deciles < min_spread_deciles:
-        problems.append(f"allreduces happened in only {evidence.active_deciles} of 10 tenths of the run (at least "
-                        f"{min_spread_deciles} needed): gradients must be averaged throughout training, not only "
-                        f"at its start or end.")
-    return problems

@@ -1,18 +1,23 @@
 """`scalelab assess` exit codes: 2 for bad input (one line on stderr), 3 with an error verdict when the grader
-itself fails, 1 for a syntax error (the submission's problem)."""
+itself fails, 1 for a syntax error (the submission's problem), 143 after SIGTERM once its run is stopped and its
+job directory removed."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from conftest import subprocess_env
+from conftest import leftover_processes, subprocess_env
 
 SCALELAB = [sys.executable, "-m", "scalelab.cli"]
-TEST_TRACKS = Path(__file__).parent / "submissions" / "tracks.toml"
+SUBMISSIONS = Path(__file__).parent / "submissions"
+TEST_TRACKS = SUBMISSIONS / "tracks.toml"
 
 
 def scalelab(*args, env=None, timeout=300):
@@ -108,3 +113,68 @@ def test_gradebook_opens_when_the_venv_is_not_on_path(tmp_path, monkeypatch):
     gradebook = grading.NbgraderGradebook(tmp_path / "gradebook.db")
     assert (tmp_path / "gradebook.db").is_file()
     gradebook.close()
+
+
+def is_rank(process: psutil.Process) -> bool:
+    return process.cmdline()[1:] == ["assessment.py"]  # horovodrun starts each rank as `python assessment.py`
+
+
+def still_running(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those not ended yet (a zombie has ended: only its parent has not collected it)."""
+    running = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                running.append(process)
+        except psutil.Error:
+            pass
+    return running
+
+
+def run_processes_of(grader: subprocess.Popen, jobs_root: Path, timeout_s: float = 240) -> list[psutil.Process]:
+    """Once the run's ranks are up (the job directory exists, both ranks started): everything the grader started."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert grader.poll() is None, grader.communicate()
+        try:
+            family = psutil.Process(grader.pid).children(recursive=True)
+            ranks = [p for p in family if is_rank(p)]
+        except psutil.Error:
+            family, ranks = [], []
+        if jobs_root.is_dir() and any(jobs_root.iterdir()) and len(ranks) >= 2:
+            return family
+        time.sleep(0.5)
+    raise AssertionError(f"the run did not start within {timeout_s} s")
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_run_and_removes_its_job_directory(tmp_path):
+    # The Assess service stops a grader with SIGTERM (server stop, recovery after a crash): the grader's own
+    # clean-up must still run, or the run goes on unwatched and its job directory (up to 200 MiB) stays.
+    home = tmp_path / "home"
+    grader = subprocess.Popen([*SCALELAB, "assess", str(SUBMISSIONS / "hang_allreduce.py"), "--json",
+                               "--out", str(tmp_path / "out"), "--track", "fashion-mnist-hang",
+                               "--track-file", str(TEST_TRACKS)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=subprocess_env(SCALELAB_HOME=str(home)))
+    family = []
+    try:
+        family = run_processes_of(grader, home / "jobs")
+        rank_uids = {p.uids().real for p in family if is_rank(p)}
+        grader.send_signal(signal.SIGTERM)
+        _stdout, stderr = grader.communicate(timeout=30)
+        assert list((home / "jobs").iterdir()) == []
+        assert still_running(family) == []
+        for uid in [*(rank_uids - {os.getuid()}), None]:  # the sandbox's own uid, where the grader runs as root
+            deadline = time.monotonic() + 10  # dead processes (zombies) may wait a moment for init to collect them
+            while leftover_processes(str(home), uid) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert leftover_processes(str(home), uid) == []
+        assert grader.returncode == 128 + signal.SIGTERM, stderr
+        assert "stopped by SIGTERM" in stderr
+    finally:
+        for process in [psutil.Process(grader.pid), *family] if grader.poll() is None else family:
+            try:
+                process.kill()
+            except psutil.Error:
+                pass

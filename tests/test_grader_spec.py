@@ -1,15 +1,19 @@
 """Tracks: the course's track file loads, and bad track files or names get clear errors."""
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from scalelab.grader import spec
+from scalelab.grader import grading, spec
 
 TEST_TRACKS = Path(__file__).parent / "submissions" / "tracks.toml"
 
 
-def test_course_track_file_has_the_three_tracks_of_the_issue():
+def test_course_track_file_has_the_gpu_cpu_and_fashion_mnist_tracks():
     tracks = spec.load_tracks()
     assert {"cifar10", "cifar10-cpu", "fashion-mnist-cpu"} <= set(tracks)
     assert tracks["cifar10"].ranks == spec.ALL_GPUS and tracks["cifar10"].dataset == "cifar10"
@@ -70,3 +74,86 @@ def test_test_tracks_load_with_their_launchers_and_a_short_hang_budget():
     assert tracks["fashion-mnist-test-mpi"].launcher == "mpi"
     # The hang test waits for the whole budget: its track must be the short one.
     assert tracks["fashion-mnist-hang"].time_budget_s < tracks["fashion-mnist-test"].time_budget_s / 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Calibration: the recorded figures against the rule, and the tools that produce them
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_every_calibrated_track_meets_the_rule_and_an_uncalibrated_one_says_so():
+    tracks = spec.load_tracks(spec.DEFAULT_TRACKS_FILE)
+    for track in tracks.values():
+        problems = track.calibration_problems()
+        if track.calibration.get("status") == "uncalibrated":
+            assert problems and "is not calibrated" in problems[0] and "scalelab calibrate" in problems[0]
+        else:
+            assert problems == [], (track.name, problems)
+            assert track.calibration["reference_runs"] == len(track.calibration["reference_wall_time_s"]) >= 5
+    assert tracks["cifar10-cpu"].calibration.get("status") != "uncalibrated"
+    assert tracks["fashion-mnist-cpu"].calibration.get("status") != "uncalibrated"
+
+
+def calibrated(**figures) -> spec.Track:
+    base = dict(reference_runs=5, reference_wall_time_s=[42.0, 44.0, 45.0, 46.0, 47.0],
+                reference_heldout_accuracy=[0.55, 0.57, 0.58, 0.6, 0.61], baseline_verdict="timeout",
+                cpu_model="Some CPU", cpus=2, gpus=[])
+    return spec.Track(name="t", dataset="cifar10", ranks=2, target_accuracy=0.5, time_budget_s=60,
+                      calibration={**base, **figures})
+
+
+def test_the_calibration_rule_names_each_way_a_track_misses_it():
+    assert calibrated().calibration_problems() == []
+    assert "outside 36-48 s" in calibrated(reference_wall_time_s=[30.0, 44, 45, 46, 47]).calibration_problems()[0]
+    assert "outside" in calibrated(reference_wall_time_s=[42.0, 44, 45, 46, 49]).calibration_problems()[0]
+    assert "less than 0.03 over the target" in \
+        calibrated(reference_heldout_accuracy=[0.52, 0.57, 0.58, 0.6, 0.61]).calibration_problems()[0]
+    assert "not a fail or timeout" in calibrated(baseline_verdict="pass").calibration_problems()[0]
+    assert "5 needed" in calibrated(reference_wall_time_s=[44.0, 45.0], reference_heldout_accuracy=[0.6, 0.6]) \
+        .calibration_problems()[0]
+
+
+@pytest.mark.parametrize("times", [[40.0, 41.5, 42.3, 43.0, 44.9], [30.0, 33.0, 38.0], [100.0, 101.0]])
+def test_suggested_budget_puts_every_reference_run_at_60_to_80_percent(times):
+    budget, target = grading.suggest(times, [0.512, 0.58, 0.6])
+    assert budget % 5 == 0
+    assert all(0.6 * budget <= t <= 0.8 * budget for t in times), (budget, times)
+    assert target == 0.48  # 0.03 under the worst reference, rounded down to a hundredth
+
+
+def test_too_wide_a_spread_keeps_the_slowest_run_inside_the_budget():
+    budget, _ = grading.suggest([20.0, 60.0], [0.6, 0.6])
+    assert budget == 75 and 60.0 <= 0.8 * budget
+
+
+def test_recording_sets_the_budget_and_target_and_the_figures_and_keeps_the_rest(tmp_path):
+    track_file = tmp_path / "tracks.toml"
+    shutil.copyfile(spec.DEFAULT_TRACKS_FILE, track_file)
+    before = spec.load_tracks(track_file)
+    machine = {"cpu_model": "Test CPU", "cpus": 2, "gpus": []}
+    table = grading.calibration_table(before["cifar10-cpu"], machine, [44.0, 45.0, 46.0, 47.0, 48.0],
+                                      [0.55, 0.56, 0.57, 0.58, 0.59], {"verdict": "timeout", "wall_time_s": 70.2,
+                                                                       "heldout_accuracy": 0.42}, "2026-11-25")
+    grading.record_settings(track_file, "cifar10-cpu", 65, 0.52)
+    grading.record_calibration(track_file, "cifar10-cpu", table)
+    after = spec.load_tracks(track_file)
+    assert (after["cifar10-cpu"].time_budget_s, after["cifar10-cpu"].target_accuracy) == (65, 0.52)
+    assert after["cifar10-cpu"].calibration["cpu_model"] == "Test CPU"
+    assert after["cifar10-cpu"].calibration_problems() == []
+    assert after["fashion-mnist-cpu"] == before["fashion-mnist-cpu"] and after["cifar10"] == before["cifar10"]
+
+
+def test_doctor_warns_when_a_track_was_calibrated_on_another_kind_of_machine(tmp_path):
+    track_file = tmp_path / "tracks.toml"
+    shutil.copyfile(spec.DEFAULT_TRACKS_FILE, track_file)
+    here = grading.machine_facts()
+    assert grading.machine_differences(calibrated(cpu_model=here["cpu_model"], cpus=here["cpus"],
+                                                  gpus=here["gpus"]), here) == []
+    grading.record_calibration(track_file, "fashion-mnist-cpu", grading.calibration_table(
+        spec.load_track("fashion-mnist-cpu", track_file), {"cpu_model": "A Faster CPU", "cpus": 64, "gpus": []},
+        [44.0] * 5, [0.88] * 5, {"verdict": "timeout"}, "2026-11-25"))
+    done = subprocess.run([sys.executable, "-m", "scalelab.cli", "doctor"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "SCALELAB_TRACKS": str(track_file)})
+    warnings = [line for line in done.stdout.splitlines() if line.startswith("warning:")]
+    assert any("track fashion-mnist-cpu was calibrated on another machine" in w and "A Faster CPU" in w
+               and f"{here['cpus']} cores, calibrated with 64" in w and "scalelab calibrate" in w for w in warnings)
+    assert not any("track cifar10 " in w for w in warnings)  # uncalibrated: nothing to compare

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from scalelab import environment
-from scalelab.grader import launch
+from scalelab.grader import launch, sandbox
 from conftest import VENV_BIN, subprocess_env
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +118,7 @@ def test_a_graded_run_gets_the_course_settings_and_can_read_the_rules_in_its_san
         monkeypatch.delenv(name, raising=False)
     job = prepare("job")
     assert {name: job.env[name] for name in COURSE_SETTINGS} == COURSE_SETTINGS
-    assert any(RULES.resolve().is_relative_to(path) for path in job.readonly_paths)
+    assert any(RULES.resolve().is_relative_to(path) for path in sandbox.software_paths())  # shown in the sandbox
 
     monkeypatch.setenv("OMPI_MCA_coll_tuned_use_dynamic_rules", "0")  # an operator's own choice wins
     assert prepare("job2").env["OMPI_MCA_coll_tuned_use_dynamic_rules"] == "0"

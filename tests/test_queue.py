@@ -1,4 +1,5 @@
-"""The Assess service's persistent queue (grader/queue.py) on a real SQLite file, and its workers' recovery."""
+"""The Assess service's persistent queue (grader/queue.py) on a real SQLite file, and its workers
+(grader/workers.py): grading, recovery and retention."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from scalelab.grader.queue import (DONE, INTERRUPTED, QUEUED, RUNNING, AssessQueue, GraderSettings, GradingWorkers,
-                                   JobRetention, QueueFull, TooSoon, sqlite_url)
+from scalelab.grader.queue import DONE, INTERRUPTED, QUEUED, RUNNING, AssessQueue, QueueFull, TooSoon, sqlite_url
+from scalelab.grader.workers import GraderSettings, GradingWorkers, JobRetention
 
 FAST_SUBMISSION = Path(__file__).parent / "submissions" / "service" / "syntax_error_fast.py"
 TEST_TRACKS = Path(__file__).parent / "submissions" / "tracks.toml"
@@ -188,6 +189,12 @@ def test_workers_grade_with_the_real_grader_and_store_its_verdict(queue, tmp_pat
     assert stored["verdict"]["verdict"] == "fail" and stored["verdict"]["student"] == "ana"
     assert stored["progress"]["state"] == "done"
     assert (tmp_path / "job" / "grader" / "verdict.json").exists()
+
+
+def test_a_new_sqlite_databases_directory_is_private_to_the_server_account(tmp_path):
+    opened = AssessQueue(sqlite_url(tmp_path / "state" / "queue.db"))
+    opened.close()
+    assert stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o700  # every student's verdicts
 
 
 def test_an_id_beyond_the_databases_integer_range_is_no_job(queue, tmp_path):

@@ -107,6 +107,37 @@ def test_binary_files_are_refused_with_a_sentence(tmp_path, monkeypatch):
         service.submit("ann")
 
 
+def test_a_link_or_a_special_file_is_refused_with_a_sentence_and_nothing_is_copied(tmp_path, monkeypatch):
+    # The server's account reads what a student may not (another student's file, the grader's state): a link
+    # would have it copy that file and grade it as the student's.
+    service = make_service(tmp_path, monkeypatch, submission_path="{student}/assessment/assessment.py")
+    others = student_folder(tmp_path, "ben", FAST_SUBMISSION.read_bytes()) / "assessment.py"
+    state = tmp_path / "grader-state.py"
+    state.write_bytes(FAST_SUBMISSION.read_bytes())
+    (student_folder(tmp_path, "ann") / "assessment.py").symlink_to(others)
+    (student_folder(tmp_path, "dee") / "assessment.py").symlink_to(state)
+    (tmp_path / "course" / "cy").mkdir()
+    (tmp_path / "course" / "cy" / "assessment").symlink_to(others.parent, target_is_directory=True)
+    os.mkfifo(student_folder(tmp_path, "eve") / "assessment.py")
+    (student_folder(tmp_path, "fay") / "assessment.py").mkdir()
+    refusals = {"ann": "ann/assessment/assessment.py is a link; save your script as a plain file "
+                       "ann/assessment/assessment.py (not a link, nor in a linked folder) and click Assess again.",
+                "dee": "dee/assessment/assessment.py is a link; save your script as a plain file",
+                "cy": "cy/assessment is a link; save your script as a plain file cy/assessment/assessment.py",
+                "eve": "eve/assessment/assessment.py is not a plain file; save your script as a plain file",
+                "fay": "fay/assessment/assessment.py is not a plain file; save your script as a plain file"}
+    for student, sentence in refusals.items():
+        with pytest.raises(SubmissionProblem, match=re.escape(sentence)) as refused:
+            service.submit(student)
+        assert refused.value.status == 400
+    assert list(service.jobs_root.iterdir()) == [] and service.queue.all_jobs() == []
+    with pytest.raises(SubmissionProblem, match="There is no gus/assessment/assessment.py to assess") as missing:
+        service.submit("gus")
+    assert missing.value.status == 404
+    assert service.submit("ben")[1], "a plain file is still taken"
+    service.stop()
+
+
 def finish_queued_job(service: AssessService, verdict: dict | None = None) -> dict:
     """Stand in for a worker: claim the oldest queued job and store a verdict for it."""
     job = service.queue.claim_next("host", os.getpid())
@@ -130,11 +161,15 @@ def test_a_submit_too_soon_after_the_last_is_refused_with_429_but_an_active_job_
     assert service.submit("ben")[1], "the wait is per student"
 
 
-def test_job_directories_and_the_copied_file_are_private_to_the_server_account(tmp_path, monkeypatch):
+def test_job_directories_the_queue_database_and_the_copied_file_are_private_to_the_server_account(
+        tmp_path, monkeypatch):
     jobs_root = tmp_path / "home" / "assess" / "jobs"
     jobs_root.mkdir(parents=True, mode=0o755)
     os.chmod(jobs_root, 0o755)  # as an older version of the service left it
+    os.chmod(jobs_root.parent, 0o755)
     service = make_service(tmp_path, monkeypatch)
+    assert stat.S_IMODE(jobs_root.parent.stat().st_mode) == 0o700, "queue.db's directory: every student's verdicts"
+    assert (jobs_root.parent / "queue.db").is_file()
     student_folder(tmp_path, "", FAST_SUBMISSION.read_bytes())
     service.submit("ann")
     [job_dir] = service.jobs_root.iterdir()

@@ -1,4 +1,4 @@
-"""ScaleLab's benchmarks (issue #7): each module measures one figure of the report; ``benchmarks.run`` runs them
+"""ScaleLab's benchmarks: each module measures one figure of the report; ``benchmarks.run`` runs them
 all and writes ``report.json``, ``report.md`` and PNG plots.
 
     PYTHONPATH=source_code .venv/bin/python -m benchmarks.run --out bench-report [--quick]

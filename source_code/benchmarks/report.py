@@ -16,11 +16,13 @@ FIGURES = {
     "P2": ("horovodrun -np 2 --mpi, 1 intra-op thread per rank ÷ 1 process with 2 threads, same model and "
            "global batch (img/s)", ">=", 0.95, "ratio"),
     "P3": ("`scalelab assess` wall time − bare `horovodrun` wall time, same submission", "<=", 3.0, "s"),
-    "P4": ("Assess click-to-verdict for the reference solution ÷ the track's budget (measured by the lead)",
-           None, None, "ratio"),
+    "P4": ("Assess click-to-verdict for the reference solution ÷ the track's budget (headless Chromium)",
+           "between", (0.6, 0.8), "ratio"),
     "P5": ("class grading: makespan ÷ (sum of job times ÷ slots)", "<=", 1.10, "ratio"),
     "P6": ("hvd.allreduce bus bandwidth at 64 MB, np 2, loopback ÷ single-core memcpy bandwidth", ">=", 0.5,
            "ratio"),
+    "P7": ("repeatability: share of 5 gradings each of the reference and the baseline with the expected verdict "
+           "(pass; fail or timeout)", ">=", 1.0, "ratio"),
 }
 
 
@@ -30,11 +32,17 @@ def judge(figure_id: str, figure: dict) -> dict:
     median = figure.get("median")
     if comparison is None or median is None:
         met = None
+    elif comparison == "between":
+        met = goal[0] <= median <= goal[1]
     else:
         met = median >= goal if comparison == ">=" else median <= goal
-    return dict(figure, id=figure_id, what=what, unit=unit,
-                goal=None if comparison is None else f"{comparison.replace('>=', '≥').replace('<=', '≤')} {goal:g}",
-                met=met)
+    if comparison is None:
+        shown = None
+    elif comparison == "between":
+        shown = f"{goal[0]:g}–{goal[1]:g}"
+    else:
+        shown = f"{comparison.replace('>=', '≥').replace('<=', '≤')} {goal:g}"
+    return dict(figure, id=figure_id, what=what, unit=unit, goal=shown, met=met)
 
 
 def _number(value, unit: str) -> str:

@@ -1,13 +1,14 @@
-"""Run every benchmark and write the report (issue #7).
+"""Run every benchmark and write the report.
 
-    PYTHONPATH=source_code .venv/bin/python -m benchmarks.run --out bench-report          # 4-15 min on 2 cores
+    PYTHONPATH=source_code .venv/bin/python -m benchmarks.run --out bench-report          # 20-30 min on 2 cores
     PYTHONPATH=source_code .venv/bin/python -m benchmarks.run --out /tmp/quick --quick    # < 1 min, P1 and P6 only
 
 Writes OUT/report.json (every figure with its samples, and the environment), OUT/report.md (the table) and
 OUT/*.png, plus each measured program's log under OUT/logs/. A benchmark that fails leaves its figure
-"not measured" with the error, and the others still run. P4 is measured by the lead (a browser click on Assess):
-its figure is read from --p4-file when that file exists. The time-to-accuracy plot is drawn from the runs of
-`scalelab calibrate --track cifar10-cpu` (--calibration), which trained the reference and the baseline already.
+"not measured" with the error, and the others still run. P4 clicks Assess in headless Chromium with the
+reference solution and P7 grades the reference and the baseline repeatedly (``benchmarks.assessment``). The
+time-to-accuracy plot is drawn from the runs of `scalelab calibrate --track cifar10-cpu` (--calibration), which
+trained the reference and the baseline already.
 """
 
 from __future__ import annotations
@@ -23,39 +24,30 @@ from scalelab import environment
 from scalelab.grader import store
 from scalelab.runtime import usable_cores
 
-from . import bandwidth, class_grading, grader_overhead, plots, processes, report, time_to_accuracy, training
+from . import (assessment, bandwidth, class_grading, grader_overhead, plots, processes, report, time_to_accuracy,
+               training)
 from .summary import not_measured, spread
 
-STAGES = ("bandwidth", "training", "grader", "class")
+STAGES = ("bandwidth", "training", "grader", "class", "assessment")
 # What each stage fills in, so that a run of some stages (--only) can keep the others' results (--keep).
-STAGE_FIGURES = {"bandwidth": ("P6",), "training": ("P1", "P2"), "grader": ("P3",), "class": ("P5",)}
+STAGE_FIGURES = {"bandwidth": ("P6",), "training": ("P1", "P2"), "grader": ("P3",), "class": ("P5",),
+                 "assessment": ("P4", "P7")}
 STAGE_DETAILS = {"bandwidth": ("allreduce", "allreduce_bound"), "training": ("training", "batch_sweep"),
-                 "grader": ("grader_overhead",), "class": ("class_grading",)}
+                 "grader": ("grader_overhead",), "class": ("class_grading",), "assessment": ()}
 STAGE_PLOTS = {"bandwidth": ("allreduce_bandwidth.png",), "training": ("images_per_s_vs_batch.png",),
-               "grader": (), "class": ("class_grading.png",)}
+               "grader": (), "class": ("class_grading.png",), "assessment": ()}
 
 
 def settings(quick: bool) -> dict:
     if quick:
         return dict(sizes=bandwidth.QUICK_SIZES, allreduce_repeats=3, variants=["gloo"], repeats=1, epochs=2,
                     train_images=2560, steps=10, sweep=[32, 128], sweep_images=256, sweep_repeats=1,
-                    with_horovod=False, grader_repeats=0, students=0)
+                    with_horovod=False, grader_repeats=0, students=0, clicks=0, repeat_gradings=0)
     # Sized to stay under 15 minutes on 2 cores. P1/P2: 5 repeats of 80-step epochs (40-step epochs and 3 repeats
     # gave medians from 0.91 to 0.99 for the same code: consecutive runs here differ by up to 10 %).
     return dict(sizes=bandwidth.FULL_SIZES, allreduce_repeats=7, variants=list(bandwidth.VARIANTS), repeats=5,
                 epochs=3, train_images=10240, steps=40, sweep=[32, 64, 128, 256, 512], sweep_images=1280,
-                sweep_repeats=2, with_horovod=True, grader_repeats=6, students=20)
-
-
-def p4_from_file(path: Path) -> dict:
-    """``{"click_to_verdict_s": [..], "time_budget_s": B}`` written by whoever clicked Assess, or not measured."""
-    if not path.is_file():
-        return not_measured(f"no {path.name} (the lead measures P4 in a browser)")
-    document = json.loads(path.read_text())
-    figure = spread(t / document["time_budget_s"] for t in document["click_to_verdict_s"])
-    figure.update(source=str(path), click_to_verdict_s=spread(document["click_to_verdict_s"]),
-                  time_budget_s=document["time_budget_s"])
-    return figure
+                sweep_repeats=2, with_horovod=True, grader_repeats=6, students=20, clicks=2, repeat_gradings=5)
 
 
 def main(argv=None) -> int:
@@ -68,8 +60,7 @@ def main(argv=None) -> int:
                              "at a time into the same OUT)")
     parser.add_argument("--keep-from", type=Path, action="append", default=[],
                         help="also keep stages from this earlier report.json (repeatable; its plots are copied)")
-    parser.add_argument("--p4-file", type=Path, default=None,
-                        help="P4's measurements (default: OUT/p4_click_to_verdict.json)")
+    parser.add_argument("--track", default="cifar10-cpu", help="the track P4 and P7 grade on (default cifar10-cpu)")
     parser.add_argument("--calibration", type=Path, default=None,
                         help="a `scalelab calibrate --out` directory for the time-to-accuracy plot "
                              "(default: $SCALELAB_HOME/calibration/cifar10-cpu)")
@@ -83,7 +74,7 @@ def main(argv=None) -> int:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     skipped = "skipped in --quick" if args.quick else "stage not selected (--only)"
-    figures = {figure_id: not_measured(skipped) for figure_id in ("P1", "P2", "P3", "P5", "P6")}
+    figures = {figure_id: not_measured(skipped) for figure_id in ("P1", "P2", "P3", "P4", "P5", "P6", "P7")}
     details, notes, plot_files, durations, stages_kept = {}, [], [], {}, []
     started = time.perf_counter()
     earlier = ([out / "report.json"] if args.keep else []) + [path.resolve() for path in args.keep_from]
@@ -180,11 +171,18 @@ def main(argv=None) -> int:
         details["class_grading"] = result
         plot_files.append(plots.class_grading_timeline(result["jobs"], slots, out / "class_grading.png").name)
 
+    def run_assessment():
+        if config["clicks"] < 1:
+            return
+        (logs / "assessment").mkdir(exist_ok=True)
+        figures["P4"] = assessment.click_to_verdict(logs / "assessment", args.track, config["clicks"])
+        figures["P7"] = assessment.repeatability(logs / "assessment", args.track, config["repeat_gradings"])
+
     stage("bandwidth", run_bandwidth)
     stage("training", run_training)
     stage("grader", run_grader)
     stage("class", run_class)
-    figures["P4"] = p4_from_file(args.p4_file or out / "p4_click_to_verdict.json")
+    stage("assessment", run_assessment)
     calibration_dir = args.calibration or store.scalelab_home() / "calibration" / "cifar10-cpu"
     try:
         details["time_to_accuracy"] = time_to_accuracy.read_calibration(calibration_dir)

@@ -10,6 +10,25 @@ from . import __version__
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
 
+def track_warnings() -> list[str]:
+    """A sentence for each track of the track file that was calibrated on another kind of machine: its budget
+    and target may not hold here."""
+    try:
+        from scalelab.grader import grading, spec
+        tracks = spec.load_tracks()
+    except Exception as error:  # the grader or its track file is missing: say so, the rest still helps
+        return [f"the assessment's tracks could not be read ({error})"]
+    machine = grading.machine_facts()
+    warnings = []
+    for track in tracks.values():
+        differences = grading.machine_differences(track, machine)
+        if differences:
+            warnings.append(f"track {track.name} was calibrated on another machine ({'; '.join(differences)}): "
+                            f"its budget and target may not hold here; re-calibrate with `scalelab calibrate "
+                            f"--track {track.name} --runs 5 --record` (README: \"The assessment and the grader\")")
+    return warnings
+
+
 def doctor(args: argparse.Namespace) -> int:
     """Print what the course needs and whether this machine has it; one line for each missing piece."""
     from . import environment
@@ -51,6 +70,8 @@ def doctor(args: argparse.Namespace) -> int:
         elif location is None:
             problems.append("CIFAR-10 is not available offline: set SCALELAB_CIFAR10_DIR to a directory "
                             "holding cifar-10-batches-py (or let the first run download it).")
+    for warning in track_warnings():
+        print(f"warning: {warning}")
     for problem in problems:
         print(f"problem: {problem}", file=sys.stderr)
     if not problems:

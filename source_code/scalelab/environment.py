@@ -134,5 +134,4 @@ def describe() -> dict:
         "cpu_model": cpu_model(),
         "cpu_count": usable_cores(),
         "platform": platform.platform(),
-        "gpus": os.environ.get("SCALELAB_GPUS_SEEN") or None,
     }

@@ -16,7 +16,8 @@ SCALING_RULES = ("linear", "sqrt", "none")
 
 
 def scaled_learning_rate(base_lr: float, workers: int, rule: str = "linear") -> float:
-    """The learning rate for ``workers`` times the batch: ``linear`` (Goyal et al.) or ``sqrt`` (Krizhevsky)."""
+    """The learning rate for ``workers`` times the batch: ``linear`` (Goyal et al.; what Krizhevsky found to work
+    better in practice) or ``sqrt`` (what theory suggests, kept by Hoffer et al. and the LAMB paper)."""
     if workers < 1:
         raise ValueError(f"workers must be at least 1, not {workers}")
     if rule == "linear":

@@ -1,0 +1,316 @@
+"""Evidence that all ranks trained together, collected while the run goes, where the run cannot rewrite it.
+
+Two witnesses, both read by the grader on its own clock:
+
+1. **Horovod's timeline, read as it is written.** horovodrun writes its timeline into a file the grader made
+   outside the job directory (bound into the sandbox as ``/run/scalelab/timeline.json``). A grader thread reads
+   what is added as it is added and stamps each event with the grader's clock. What counts is when events
+   arrived, never the timestamps inside them, and rewriting the file afterwards changes nothing already read; a
+   timeline file in the job directory counts for nothing. Events are parsed as they come and only counts are
+   kept, so memory stays bounded whatever the run writes.
+2. **Loopback traffic.** The ranks run in the sandbox's private network namespace, so the bytes on its loopback
+   interface are theirs, counted by the kernel. The grader samples them from ``/proc/<pid>/net/dev`` of a process
+   inside the sandbox. Averaging a model's float32 gradients at every step with a ring allreduce sends about
+   parameters × 4 bytes × 2(N−1)/N per rank and step, N × that on the interface. Open MPI would move local
+   messages through shared memory, out of sight: graded ``--mpi`` runs use its TCP transport on the loopback
+   (:func:`witnessed_mpi_settings`), so the same witness holds for both launchers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+# Where horovodrun is told to write the timeline, inside the sandbox.
+TIMELINE_INSIDE = Path("/run/scalelab/timeline.json")
+READ_CHUNK_BYTES = 1 << 16
+READ_CAP_BYTES = 256 << 20
+POLL_INTERVAL_S = 0.1
+UNPARSED_CAP_BYTES = 1 << 20  # a run writing garbage into the timeline cannot grow the grader's memory
+TENSOR_NAMES_CAP = 100_000
+TIMES_CAP = 1_000_000
+# Horovod's file buffer holds back a few kilobytes of events; the last ones wait for the run's exit (saving the
+# model, shutting down). Later than this after the timeline's own clock, an allreduce was written after the fact.
+LATE_AFTER_S = 5.0
+LATE_SHARE_ALLOWED = 0.2
+# The traffic needed at every step, as a fraction of what float32 ring allreduces move: fp16 compression
+# (hvd.Compression.fp16) halves it, and Horovod may pick another algorithm; allreducing a few tiny tensors
+# instead of the gradients moves orders of magnitude less.
+MIN_TRAFFIC_RATIO = 0.25
+
+
+def witnessed_mpi_settings() -> dict[str, str]:
+    """Open MPI settings for graded --mpi runs: local messages go through TCP on the loopback (where the kernel
+    counts them) instead of shared memory (where nothing outside the ranks can see them)."""
+    return {"OMPI_MCA_btl_vader_exclusivity": "0", "OMPI_MCA_btl_tcp_if_include": "lo",
+            "OMPI_MCA_oob_tcp_if_include": "lo"}
+
+
+@dataclasses.dataclass
+class TimelineEvidence:
+    ranks_seen: list[int]          # ranks that submitted tensors for negotiation
+    allreduce_count: int           # allreduce operations performed
+    allreduced_tensors: int        # distinct tensor names allreduced
+    active_deciles: int            # tenths of the training (first to last tensor event) with an allreduce
+    span_s: float                  # from the first to the last tensor event, by the timeline's own clock
+    events: int                    # events read from the timeline
+    late_allreduces: int = 0       # allreduces that reached the grader long after the timeline says they happened
+
+    @property
+    def readable(self) -> bool:
+        return self.events > 0
+
+
+class TimelineCounter:
+    """Counts what a stream of Horovod timeline events shows; ``feed`` takes an event and its arrival time.
+
+    Tensors are "processes" of the trace (``ph: M`` events name them), operations are ``B``/``E`` pairs
+    (``NEGOTIATE_ALLREDUCE``, ``ALLREDUCE``, ...), and during negotiation an ``X`` event named after each rank
+    marks that the rank submitted the tensor.
+
+    Two clocks meet here. The spread of the allreduces over the training is judged on the timeline's own
+    timestamps (Horovod's clock, which output buffering does not blur). Whether the timeline was written while
+    the run went is judged on the grader's: Horovod writes each event within moments of it happening (its file
+    buffer delays it by a few kilobytes of events at most), so an allreduce that reaches the grader more than
+    ``LATE_AFTER_S`` later than the timeline's clock says, measured from the earliest event, was written after
+    the fact.
+    """
+
+    def __init__(self):
+        self.tensor_names: dict[int, str] = {}
+        self.ranks: set[int] = set()
+        self.allreduced: set[str] = set()
+        self.allreduce_times: list[float] = []   # timeline clock, seconds (bounded: TIMES_CAP)
+        self.arrival_lags: list[float] = []      # arrival minus timeline clock, seconds, per allreduce
+        self.count = 0
+        self.negotiating: dict[int, str] = {}
+        self.first = self.last = None
+        self.events = 0
+
+    def feed(self, event: dict, arrived_s: float) -> None:
+        self.events += 1
+        phase, name, pid, ts = event.get("ph"), event.get("name"), event.get("pid"), event.get("ts")
+        if phase == "M" and name == "process_name":
+            tensor = (event.get("args") or {}).get("name")
+            if isinstance(tensor, str) and len(self.tensor_names) < TENSOR_NAMES_CAP:
+                self.tensor_names[pid] = tensor[:500]
+            return
+        if pid not in self.tensor_names or not isinstance(ts, (int, float)) or isinstance(ts, bool):
+            return
+        seconds = ts / 1e6
+        self.first = seconds if self.first is None else min(self.first, seconds)
+        self.last = seconds if self.last is None else max(self.last, seconds)
+        if phase == "B" and isinstance(name, str):
+            self.negotiating[pid] = name
+            if name == "ALLREDUCE":
+                self.count += 1
+                if len(self.allreduce_times) < TIMES_CAP:
+                    self.allreduce_times.append(seconds)
+                    self.arrival_lags.append(arrived_s - seconds)
+                if len(self.allreduced) < TENSOR_NAMES_CAP:
+                    self.allreduced.add(self.tensor_names[pid])
+        elif phase == "E":
+            self.negotiating.pop(pid, None)
+        elif phase == "X" and isinstance(name, str) and name.isdigit() and len(name) < 6 \
+                and self.negotiating.get(pid, "").startswith("NEGOTIATE_"):
+            self.ranks.add(int(name))
+
+    def evidence(self) -> TimelineEvidence:
+        active, span_s, late = 0, 0.0, 0
+        if self.allreduce_times:
+            span = max(self.last - self.first, 1e-6)
+            span_s = self.last - self.first
+            active = len({min(9, int((moment - self.first) * 10 / span)) for moment in self.allreduce_times})
+            earliest = min(self.arrival_lags)
+            late = sum(lag - earliest > LATE_AFTER_S for lag in self.arrival_lags)
+        return TimelineEvidence(ranks_seen=sorted(self.ranks), allreduce_count=self.count,
+                                allreduced_tensors=len(self.allreduced), active_deciles=active,
+                                span_s=round(span_s, 2), events=self.events, late_allreduces=late)
+
+
+class EventParser:
+    """Turns the timeline's text, as it arrives in pieces, into events: a JSON array written one object at a
+    time, never closed when the run is killed."""
+
+    def __init__(self, on_event):
+        self.on_event = on_event
+        self.pending = ""
+        self.decoder = json.JSONDecoder()
+
+    def feed(self, text: str, arrived_s: float) -> None:
+        self.pending += text
+        position = 0
+        while True:
+            start = self.pending.find("{", position)
+            if start < 0:
+                self.pending = ""
+                return
+            try:
+                event, position = self.decoder.raw_decode(self.pending, start)
+            except json.JSONDecodeError:
+                # Half an event (the rest is on its way), or garbage: keep it only while it could still end.
+                self.pending = self.pending[start:]
+                if len(self.pending) > UNPARSED_CAP_BYTES:
+                    self.pending = self.pending[1:]  # resynchronise at the next "{"
+                    position = 0
+                    continue
+                return
+            if isinstance(event, dict):
+                self.on_event(event, arrived_s)
+
+
+class TimelineStream:
+    """A file for horovodrun's timeline, outside the job directory, and the grader's thread that reads it as it
+    grows.
+
+    The file is the grader's (bound into the sandbox as ``TIMELINE_INSIDE``, writable by the run's uid because
+    Horovod writes it from rank 0). The grader holds its own descriptor to it and reads only bytes beyond what it
+    has read, stamping them when they arrive: rewriting or truncating the file later changes nothing already
+    counted (truncations are counted too). A pipe would not do: Horovod's writer seeks back over the closing
+    bracket before each event. Reading a regular file never blocks, and at most ``READ_CAP_BYTES`` are read.
+    """
+
+    def __init__(self, directory: Path):
+        self.path = Path(directory) / "timeline.json"
+        os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        self._file = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        self.counter = TimelineCounter()
+        self.parser = EventParser(self.counter.feed)
+        self.offset = 0
+        self.truncations = 0
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._read, name="scalelab-timeline", daemon=True)
+
+    def allow(self, uid: int | None) -> None:
+        """Let the sandbox's uid write the file (Horovod runs as that uid)."""
+        if uid is not None:
+            os.chown(self.path, uid, -1)
+
+    def start(self) -> "TimelineStream":
+        self.started = time.monotonic()
+        self.thread.start()
+        return self
+
+    def _drain(self) -> bool:
+        """Read what was added since the last read; False when there was nothing (or the cap is reached)."""
+        size = os.fstat(self._file).st_size
+        if size < self.offset:  # truncated: Horovod opening it (at the start), or the run rewriting it
+            self.truncations += 1
+            self.offset = size
+            return False
+        if size == self.offset or self.offset >= READ_CAP_BYTES:
+            return False
+        chunk = os.pread(self._file, min(READ_CHUNK_BYTES, size - self.offset), self.offset)
+        self.offset += len(chunk)
+        self.parser.feed(chunk.decode("utf-8", "replace"), time.monotonic() - self.started)
+        return bool(chunk)
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            while self._drain():
+                pass
+            self._stop.wait(POLL_INTERVAL_S)
+
+    def stop(self) -> TimelineEvidence:
+        self._stop.set()
+        self.thread.join(timeout=5)
+        while self._drain():  # what the run wrote before it ended (bounded by the cap)
+            pass
+        os.close(self._file)
+        return self.counter.evidence()
+
+
+def loopback_bytes(pid: int) -> int | None:
+    """Bytes sent on the loopback interface of ``pid``'s network namespace, or None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/net/dev") as table:
+            for line in table:
+                interface, _, counters = line.partition(":")
+                if interface.strip() == "lo":
+                    return int(counters.split()[8])  # transmit bytes
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def expected_traffic_bytes(trainable_parameters: int, steps: float, np: int) -> float:
+    """What averaging float32 gradients of ``trainable_parameters`` at ``steps`` steps sends over the loopback:
+    per rank and step, parameters × 4 bytes × 2(N−1)/N (ring allreduce), for N ranks."""
+    return trainable_parameters * 4 * steps * 2 * (np - 1) / np * np
+
+
+@dataclasses.dataclass
+class TrafficEvidence:
+    loopback_bytes: int | None     # sent on the sandbox's loopback during the run (None: not measured)
+    expected_bytes: float | None   # what averaging this model's gradients at every step needs
+    steps: float | None            # allreduces per allreduced tensor: the steps the timeline shows
+    ratio: float | None
+
+
+def traffic_evidence(measured: int | None, timeline: TimelineEvidence, trainable_parameters: int | None,
+                     trainable_variables: int | None, np: int) -> TrafficEvidence:
+    """The traffic against what the model needs. Averaging the gradients allreduces each trainable variable once
+    per step, so the timeline shows allreduces ÷ variables steps (counted per variable of the saved model, not per
+    distinct name, so that many names allreduced once each cannot make the steps look few)."""
+    if measured is None or not trainable_parameters or not trainable_variables or not timeline.allreduce_count \
+            or np < 2:
+        return TrafficEvidence(measured, None, None, None)
+    steps = timeline.allreduce_count / trainable_variables
+    expected = expected_traffic_bytes(trainable_parameters, steps, np)
+    return TrafficEvidence(measured, round(expected), round(steps, 1), round(measured / expected, 3))
+
+
+def traffic_problem(traffic: TrafficEvidence) -> str | None:
+    """A sentence when the ranks exchanged far less than averaging the model's gradients at every step needs."""
+    if traffic.ratio is None or traffic.ratio >= MIN_TRAFFIC_RATIO:
+        return None
+    return (f"the ranks sent {traffic.loopback_bytes / 1e6:.2f} MB to each other, but averaging this model's "
+            f"gradients at each of the {traffic.steps:.0f} steps the timeline shows needs about "
+            f"{traffic.expected_bytes / 1e6:.1f} MB (parameters × 4 bytes × 2(N−1)/N per rank and step): the "
+            f"allreduces did not carry the model's gradients. Wrap the model's own optimizer in "
+            f"hvd.DistributedOptimizer.")
+
+
+def evidence_problems(timeline: TimelineEvidence, traffic: TrafficEvidence, np: int,
+                      trainable_variables: int | None, min_spread_deciles: int) -> list[str]:
+    """Sentences saying what the witnesses do not show (empty: all ranks trained together throughout)."""
+    if not timeline.readable or timeline.allreduce_count == 0:
+        return ["Horovod's timeline shows no allreduce: the ranks did not train together. Wrap the optimizer "
+                "in hvd.DistributedOptimizer so gradients are averaged across ranks at every step."]
+    problems = []
+    missing = sorted(set(range(np)) - set(timeline.ranks_seen))
+    if missing:
+        problems.append(f"ranks {missing} never took part in an allreduce (seen: {timeline.ranks_seen} of {np}); "
+                        f"every rank must call hvd.init() and train with the DistributedOptimizer.")
+    if trainable_variables and timeline.allreduced_tensors < trainable_variables:
+        problems.append(f"only {timeline.allreduced_tensors} distinct tensors were allreduced, fewer than the "
+                        f"model's {trainable_variables} trainable variables: all gradients must be averaged "
+                        f"(hvd.DistributedOptimizer).")
+    if timeline.late_allreduces > LATE_SHARE_ALLOWED * timeline.allreduce_count:
+        problems.append(f"{timeline.late_allreduces} of the timeline's {timeline.allreduce_count} allreduces "
+                        f"reached the grader more than {LATE_AFTER_S:.0f} s after the timeline says they happened: "
+                        f"the timeline was written after the fact, not by Horovod while the ranks trained.")
+    if timeline.active_deciles < min_spread_deciles:
+        problems.append(f"allreduces happened in only {timeline.active_deciles} of 10 tenths of the training "
+                        f"(at least {min_spread_deciles} needed): gradients must be averaged throughout training, "
+                        f"not only at its start or end.")
+    traffic_sentence = traffic_problem(traffic)
+    if traffic_sentence:
+        problems.append(traffic_sentence)
+    return problems
+
+
+def figures(timeline: TimelineEvidence, traffic: TrafficEvidence, trainable_parameters: int | None) -> dict:
+    """Each witness's figures, for the verdict JSON."""
+    return {
+        "timeline": {"source": "Horovod's timeline in a file of the grader's, read as it grew, stamped on arrival",
+                     **dataclasses.asdict(timeline)},
+        "traffic": {"source": "bytes sent on the sandbox's loopback, read by the grader",
+                    "trainable_parameters": trainable_parameters, "minimum_ratio": MIN_TRAFFIC_RATIO,
+                    **dataclasses.asdict(traffic)},
+    }

@@ -1,0 +1,363 @@
+"""The Assess service's workers: threads that drain the queue (``queue.py``), each grading one job at a time
+out of the server process with the real grader, exactly as on the command line::
+
+    scalelab assess <job_dir>/assessment.py --track T --json --out <job_dir>/grader [--backend B]
+
+What the workers keep:
+
+- **Slots**: one worker thread per slot and one job per worker, so at most ``slots`` jobs run at once.
+- **Restart safety**: a job found ``running`` when a server starts, left by a server of this host that is gone
+  (killed, crashed, or stopped), is marked ``interrupted`` with a reason saying so; its grader, if it still
+  runs, is stopped first (SIGTERM, so that it stops its run and removes its job directory, then SIGKILL). It is
+  never re-run silently and never reported as passed: the student clicks Assess again. (Re-running it
+  automatically could loop forever on a submission that brings the server down.) The one exception is a grader
+  that had already written its verdict before the server died: that verdict is the real grader's and is kept.
+  Queued jobs are untouched and run as usual. A server stopped cleanly marks its running jobs ``interrupted``
+  at exit.
+- **Progress** (``progress.json``, written by the grader: elapsed time vs budget, epochs seen, latest
+  accuracy, checkpoint time) is copied to the job for display only; the verdict is always the grader's.
+- **Disk**: job directories and the files the service writes in them are private to the server's account
+  (0700/0600). The model a run wrote (``<job_dir>/grader/model.keras``, up to 200 MiB) is kept only when the
+  stored verdict is a pass. :class:`JobRetention` removes a student's oldest job directories beyond a count or a
+  byte quota; the database rows and verdicts stay, and the directory of a queued or running job (or of a job
+  whose grader still runs) is never removed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from .queue import ACTIVE_STATES, DONE, AssessQueue
+
+
+def grader_process(job: dict) -> psutil.Process | None:
+    """The job's ``scalelab assess`` process if it still runs (checked by pid *and* start time)."""
+    if not job.get("grader_pid"):
+        return None
+    try:
+        process = psutil.Process(job["grader_pid"])
+        if process.is_running() and abs(process.create_time() - (job.get("grader_created") or 0)) < 1:
+            return process
+    except psutil.Error:
+        pass
+    return None
+
+
+def kill_process_tree(process: psutil.Process, grace_s: float = 5.0) -> None:
+    """SIGTERM the grader and everything it started, then SIGKILL what is left after ``grace_s``."""
+    try:
+        family = [process, *process.children(recursive=True)]
+    except psutil.Error:
+        return
+    for member in family:
+        try:
+            member.terminate()
+        except psutil.Error:
+            pass
+    _gone, alive = psutil.wait_procs(family, timeout=grace_s)
+    for member in alive:
+        try:
+            member.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def utc_iso(unix_seconds: float | None) -> str | None:
+    if unix_seconds is None:
+        return None
+    return dt.datetime.fromtimestamp(unix_seconds, dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def default_scalelab_command() -> list[str]:
+    """The ``scalelab`` executable beside this Python (the venv's), so the worker grades with our grader."""
+    beside = Path(sys.executable).with_name("scalelab")
+    return [str(beside)] if beside.exists() else [sys.executable, "-m", "scalelab.cli"]
+
+
+@dataclass
+class GraderSettings:
+    """How a worker calls ``scalelab assess``."""
+    track: str
+    track_file: str | None = None
+    backend: str = "local"
+    allow_unsandboxed: bool = False
+    command: list[str] = field(default_factory=default_scalelab_command)
+    environment: dict[str, str] | None = None  # None: the server's own environment
+    poll_interval_s: float = 1.0
+
+
+def submission_copy(job_dir: Path) -> Path:
+    return Path(job_dir) / "assessment.py"
+
+
+def grader_out_dir(job_dir: Path) -> Path:
+    return Path(job_dir) / "grader"
+
+
+def model_file(job_dir: Path) -> Path:
+    return grader_out_dir(job_dir) / "model.keras"
+
+
+def open_private(path: Path, mode: str):
+    """``open`` for a new file only the server's account can read (0600 whatever the umask)."""
+    return open(path, mode, opener=lambda name, flags: os.open(name, flags, 0o600))
+
+
+def is_pass(job: dict | None) -> bool:
+    return bool(job) and job["state"] == DONE and (job["verdict"] or {}).get("verdict") == "pass"
+
+
+def directory_bytes(path: Path) -> int:
+    """Bytes in the files under ``path`` (links counted as links, never followed)."""
+    total = 0
+    for folder, _subfolders, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+@dataclass
+class JobRetention:
+    """How much of a student's finished jobs stays on disk; their rows and verdicts stay in the database."""
+    jobs_root: Path
+    keep_jobs_per_student: int = 20  # 0: no limit
+    disk_quota_bytes_per_student: int = 0  # 0: no limit
+
+    def prune(self, queue: AssessQueue, student: str) -> list[Path]:
+        """Remove the student's oldest job directories beyond the count, then beyond the quota; returns them."""
+        root = os.path.realpath(self.jobs_root)
+        on_disk = [job for job in queue.job_directories(student)  # newest first
+                   if os.path.dirname(os.path.realpath(job["job_dir"])) == root and os.path.isdir(job["job_dir"])]
+        doomed, kept = [], []
+        for index, job in enumerate(on_disk):
+            beyond_count = 0 < self.keep_jobs_per_student <= index
+            (doomed if beyond_count and _removable(job) else kept).append(job)
+        if self.disk_quota_bytes_per_student > 0:
+            sizes = {job["id"]: directory_bytes(job["job_dir"]) for job in kept}
+            total = sum(sizes.values())
+            for job in reversed(kept):  # oldest first
+                if total <= self.disk_quota_bytes_per_student:
+                    break
+                if _removable(job):
+                    doomed.append(job)
+                    total -= sizes[job["id"]]
+        for job in doomed:
+            shutil.rmtree(job["job_dir"], ignore_errors=True)
+        return [Path(job["job_dir"]) for job in doomed]
+
+
+def _removable(job: dict) -> bool:
+    # States only move forward, so a finished job never becomes active again; a grader that outlived its
+    # job (a server stopped under it) may still be writing there.
+    return job["state"] not in ACTIVE_STATES and grader_process(job) is None
+
+
+class GradingWorkers:
+    """``slots`` threads, each claiming the oldest queued job and grading it with ``scalelab assess``."""
+
+    def __init__(self, queue: AssessQueue, settings: GraderSettings, slots: int, log=None,
+                 retention: JobRetention | None = None):
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, not {slots}")
+        self.queue, self.settings, self.slots = queue, settings, slots
+        self.log = log
+        self.retention = retention
+        self.host, self.server_pid = socket.gethostname(), os.getpid()
+        self._stopping = threading.Event()
+        self.stop_reason = ""
+        self._wakeup = threading.Condition()
+        self._running: dict[int, subprocess.Popen] = {}
+        self._running_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    # --- life cycle -----------------------------------------------------------------------------------------
+
+    def recover(self) -> list[dict]:
+        """Settle the running jobs a dead server of this host left behind (see the module docstring)."""
+        settled = []
+        for job in self.queue.orphaned_running_jobs(self.host, self.server_pid):
+            process = grader_process(job)
+            if process is not None:
+                kill_process_tree(process)
+            verdict = read_json(grader_out_dir(job["job_dir"]) / "verdict.json")
+            if process is None and verdict is not None and verdict.get("finished_at"):
+                verdict.setdefault("notes", []).append(
+                    "the server restarted after the grader had finished; this is the grader's own verdict.")
+                self.queue.finish(job["id"], verdict)
+            else:
+                started = utc_iso(job["started_at"]) or "an unknown time"
+                self.queue.interrupt(job["id"], (
+                    f"Interrupted: the Jupyter server stopped while this assessment was running (it started at "
+                    f"{started}), so it was not graded. Nothing was recorded as a result; click Assess to "
+                    f"submit it again."))
+            self._tidy(job)
+            settled.append(self.queue.get(job["id"]))
+        return settled
+
+    def start(self) -> None:
+        for slot in range(self.slots):
+            thread = threading.Thread(target=self._work, name=f"scalelab-assess-slot-{slot}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def wake(self) -> None:
+        with self._wakeup:
+            self._wakeup.notify_all()
+
+    def stop(self, reason: str = "Interrupted: the Jupyter server was stopped while this assessment was "
+                                 "running, so it was not graded. Click Assess to submit it again.") -> None:
+        """Stop claiming; mark running jobs interrupted (first, so no verdict races in), then kill graders."""
+        self.stop_reason = reason
+        with self._running_lock:  # with _grade's registration: a grader is either seen here or never started
+            self._stopping.set()
+            running = dict(self._running)
+        self.wake()
+        for job_id, popen in running.items():
+            self.queue.interrupt(job_id, reason)
+            try:
+                kill_process_tree(psutil.Process(popen.pid))
+            except psutil.Error:
+                pass
+        for thread in self._threads:
+            thread.join(timeout=10)
+
+    # --- one worker ------------------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                job = self.queue.claim_next(self.host, self.server_pid)
+            except Exception as error:  # the database is away for a moment: try again shortly
+                self._say(f"could not claim a job: {error}")
+                job = None
+            if job is None:
+                with self._wakeup:
+                    self._wakeup.wait(timeout=self.settings.poll_interval_s)
+                continue
+            if self._stopping.is_set():  # claimed just as the server stops: do not start it
+                self.queue.interrupt(job["id"], self.stop_reason)
+                return
+            try:
+                self._grade(job)
+            except Exception as error:  # never leave a job running because the worker itself failed
+                self._say(f"job {job['id']}: {type(error).__name__}: {error}")
+                self.queue.finish(job["id"], service_error_verdict(
+                    job, f"the Assess service could not run the grader: {type(error).__name__}: {error}"))
+            self._tidy(job)
+
+    def grader_argv(self, job: dict) -> list[str]:
+        argv = [*self.settings.command, "assess", str(submission_copy(job["job_dir"])), "--track", job["track"],
+                "--json", "--out", str(grader_out_dir(job["job_dir"])), "--backend", job["backend"]]
+        if self.settings.track_file:
+            argv += ["--track-file", str(self.settings.track_file)]
+        if self.settings.allow_unsandboxed:
+            argv.append("--allow-unsandboxed")
+        return argv
+
+    def _grade(self, job: dict) -> None:
+        job_dir = Path(job["job_dir"])
+        with open_private(job_dir / "grader.stdout", "wb") as stdout, \
+                open_private(job_dir / "grader.stderr", "wb") as stderr:
+            # Own session: the grader and its horovodrun can be stopped as one tree, apart from the server.
+            # Not in the job directory: it holds the student's file, and Python imports from the cwd.
+            popen = subprocess.Popen(self.grader_argv(job), stdin=subprocess.DEVNULL, stdout=stdout,
+                                     stderr=stderr, cwd="/", env=self.settings.environment,
+                                     start_new_session=True)
+        with self._running_lock:
+            self._running[job["id"]] = popen
+            stopped_meanwhile = self._stopping.is_set()
+        if stopped_meanwhile:  # stop() ran between the claim and the start: it did not see this grader
+            self.queue.interrupt(job["id"], self.stop_reason)
+            try:
+                kill_process_tree(psutil.Process(popen.pid))
+            except psutil.Error:
+                pass
+        try:
+            try:
+                self.queue.set_grader_process(job["id"], popen.pid, psutil.Process(popen.pid).create_time())
+            except psutil.Error:
+                pass  # it already ended
+            self._follow_progress(job, popen)
+        finally:
+            with self._running_lock:
+                self._running.pop(job["id"], None)
+        if self._stopping.is_set():
+            return  # stop() has marked it interrupted
+        verdict = read_json(grader_out_dir(job_dir) / "verdict.json")
+        if verdict is None:  # only a refused command line (exit 2) or a crash before the grader started
+            message = _last_line((job_dir / "grader.stderr").read_bytes()) or f"exit status {popen.returncode}"
+            verdict = service_error_verdict(job, f"the grader refused the submission: {message}",
+                                            verdict="fail" if popen.returncode == 2 else "error")
+        verdict["student"] = verdict.get("student") or job["student"]  # the grader CLI does not know who it was
+        self.queue.finish(job["id"], verdict)
+
+    def _follow_progress(self, job: dict, popen: subprocess.Popen) -> None:
+        progress_file = grader_out_dir(job["job_dir"]) / "progress.json"
+        last, history = None, []
+        while True:
+            ended = popen.poll() is not None
+            progress = read_json(progress_file)
+            if progress is not None and progress != last:
+                last = progress
+                point = {"elapsed_s": progress.get("elapsed_s"), "accuracy": progress.get("latest_accuracy"),
+                         "epochs_seen": progress.get("epochs_seen")}
+                if point["accuracy"] is not None and (not history or history[-1]["epochs_seen"] != point["epochs_seen"]
+                                                      or history[-1]["accuracy"] != point["accuracy"]):
+                    history.append(point)
+                self.queue.record_progress(job["id"], progress, history)
+            if ended:
+                return
+            time.sleep(self.settings.poll_interval_s)
+
+    def _tidy(self, job: dict) -> None:
+        """Once a job has ended: its model stays only with a stored pass; then the student's retention."""
+        try:
+            if not is_pass(self.queue.get(job["id"])):
+                model_file(job["job_dir"]).unlink(missing_ok=True)
+            if self.retention is not None:
+                self.retention.prune(self.queue, job["student"])
+        except Exception as error:  # a full or failing disk must not stop the worker
+            self._say(f"job {job['id']}: could not tidy its files: {type(error).__name__}: {error}")
+
+    def _say(self, message: str) -> None:
+        if self.log is not None:
+            self.log.warning("scalelab assess service: %s", message)
+        else:
+            print(f"scalelab assess service: {message}", file=sys.stderr)
+
+
+def _last_line(data: bytes) -> str:
+    lines = [line.strip() for line in data.decode("utf-8", "replace").splitlines() if line.strip()]
+    return lines[-1][:500] if lines else ""
+
+
+def service_error_verdict(job: dict, reason: str, verdict: str = "error") -> dict:
+    """A verdict in the grader's shape for when the grader gave none."""
+    now = utc_iso(time.time())
+    return {"verdict": verdict, "reasons": [reason], "notes": [], "heldout_accuracy": None, "target_accuracy": None,
+            "wall_time_s": None, "time_budget_s": None, "np": None, "ranks_seen": [], "allreduce_count": 0,
+            "track": job["track"], "submission_sha256": job["submission_sha256"], "started_at": now,
+            "finished_at": now, "logs_dir": None, "environment": None, "student": job["student"]}

@@ -1,0 +1,64 @@
+"""P4 and P7: the assessment as a student meets it, on a real track.
+
+P4 clicks **Assess** in JupyterLab in headless Chromium with the reference solution and measures click-to-verdict
+÷ the track's budget (``tests/test_serve_browser.py --reference`` drives the browser; each click is a fresh
+server). A calibrated budget puts it at 0.6-0.8: the budget measures speed, yet leaves the reference room.
+
+P7 grades the reference solution and the unmodified serial script ``runs`` times each, in turn, through the same
+pipeline as ``scalelab assess``: a trustworthy grader gives the same verdict every time (pass for the reference,
+fail or timeout for the baseline). The figure is the share of gradings with the expected verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from scalelab.grader import pipeline, spec
+
+from .summary import run_in_turn, spread
+
+BROWSER_TOOL = spec.COURSE_ROOT / "tests" / "test_serve_browser.py"
+REFERENCE = spec.COURSE_ROOT / "assessment" / "solution" / "assessment.py"
+BASELINE = spec.COURSE_ROOT / "assessment" / "assessment.py"
+
+
+def click_to_verdict(logs: Path, track: str, clicks: int) -> dict:
+    """P4: click-to-verdict ÷ budget of the reference, ``clicks`` times in a real browser."""
+    samples = []
+    for click in range(clicks):
+        done = subprocess.run([sys.executable, str(BROWSER_TOOL), "--reference", "--track", track],
+                              capture_output=True, text=True, timeout=3600)
+        (logs / f"click-{click + 1}.log").write_text(done.stdout + done.stderr)
+        if done.returncode != 0:
+            raise RuntimeError(f"the browser click failed (exit {done.returncode}); see {logs}/click-{click + 1}.log")
+        samples.append(json.loads(done.stdout[done.stdout.index("{"):]))
+        print(f"  click {click + 1}: {samples[-1]['click_to_verdict_s']} s of {samples[-1]['time_budget_s']} s: "
+              f"{samples[-1]['verdict_text'].splitlines()[0]}", flush=True)
+    figure = spread(sample["ratio_to_budget"] for sample in samples)
+    figure.update(track=track, click_to_verdict_s=spread(s["click_to_verdict_s"] for s in samples),
+                  time_budget_s=samples[0]["time_budget_s"], source="headless Chromium, tests/test_serve_browser.py")
+    return figure
+
+
+def repeatability(logs: Path, track: str, runs: int) -> dict:
+    """P7: the share of ``runs`` gradings each of the reference and the baseline that got the expected verdict."""
+    verdicts = {"reference": [], "baseline": []}
+    for run in range(runs):
+        results = run_in_turn({
+            "reference": lambda: pipeline.assess(REFERENCE, track, out_dir=logs / f"reference-{run + 1}"),
+            "baseline": lambda: pipeline.assess(BASELINE, track, out_dir=logs / f"baseline-{run + 1}"),
+        }, run)
+        for name, verdict in results.items():
+            verdicts[name].append({key: verdict[key] for key in ("verdict", "wall_time_s", "heldout_accuracy")})
+            print(f"  {name} {run + 1}: {verdict['verdict']} in {verdict['wall_time_s']} s, held-out "
+                  f"{verdict['heldout_accuracy']}", flush=True)
+    expected = ([v["verdict"] == "pass" for v in verdicts["reference"]]
+                + [v["verdict"] in ("fail", "timeout") for v in verdicts["baseline"]])
+    figure = spread([sum(expected) / len(expected)])
+    figure.update(track=track, verdicts=verdicts,
+                  reference_wall_time_s=spread(v["wall_time_s"] for v in verdicts["reference"]),
+                  reference_heldout_accuracy=spread(v["heldout_accuracy"] for v in verdicts["reference"]))
+    return figure

@@ -1,0 +1,54 @@
+"""Splitting horovodrun's merged output into capped per-rank logs, with real Gloo and Open MPI prefixes."""
+
+from pathlib import Path
+
+from scalelab.grader import ranklogs
+
+
+def test_rank_log_demux_splits_gloo_and_mpi_prefixes_and_caps_each_log(tmp_path):
+    demux = ranklogs.RankLogDemux(tmp_path, cap_bytes=100)
+    demux.feed_line(b"[0]<stdout>:epoch 3/10  loss 1.2  accuracy 0.5  val_accuracy 0.4500\n")
+    demux.feed_line(b"[1,1]<stderr>:Traceback (most recent call last):\n")
+    demux.feed_line(b'[1,1]<stderr>:  File "assessment.py", line 3, in <module>\n')
+    demux.feed_line(b"[1,1]<stderr>:ValueError: bad\n")
+    demux.feed_line(b"horovodrun's own message\n")
+    for _ in range(50):
+        demux.feed_line(b"[0]<stdout>:" + b"x" * 30 + b"\n")
+    assert demux.epochs_seen == 3 and demux.latest_accuracy == 0.45
+    assert demux.tracebacks()[1].splitlines()[-1] == "ValueError: bad"
+    ranks, launcher_log, truncated = demux.close()
+    assert set(ranks) == {0, 1}
+    assert Path(launcher_log).read_text() == "horovodrun's own message\n"
+    rank0 = Path(ranks[0]).read_text()
+    assert rank0.startswith("epoch 3/10") and "log capped at 100 bytes" in rank0
+    assert truncated == [ranks[0]]
+
+
+def test_mpi_output_tagged_in_mid_line_is_put_back_together_per_rank(tmp_path):
+    import io
+    # As Open MPI forwarded a crash under horovodrun --mpi: Python wrote the exception line in pieces and each
+    # piece got the rank's tag; rank 0's progress came in between rank 1's pieces.
+    stream = (b"[1,1]<stderr>:Traceback (most recent call last):\n"
+              b'[1,1]<stderr>:  File "assessment.py", line 9, in <module>\n'
+              b"[1,1]<stderr>:RuntimeError[1,0]<stdout>:epoch 2/5  accuracy 0.6100\n"
+              b"[1,1]<stderr>:: [1,1]<stderr>:rank one failed on purpose[1,1]<stderr>:\n"
+              b"[1,0]<stderr>:Traceback (most recent call last):\n[1,0]<stderr>:ValueError: ended without newline")
+    demux = ranklogs.RankLogDemux(tmp_path)
+    demux.pump(io.BytesIO(stream))
+    ranks, launcher_log, _ = demux.close()
+    assert demux.tracebacks()[1].splitlines()[-1] == "RuntimeError: rank one failed on purpose"
+    assert demux.tracebacks()[0].splitlines()[-1] == "ValueError: ended without newline"
+    assert demux.epochs_seen == 2 and demux.latest_accuracy == 0.61
+    assert Path(ranks[1]).read_text().endswith('line 9, in <module>\nRuntimeError: rank one failed on purpose\n')
+    assert "<stderr>" not in Path(ranks[0]).read_text() + Path(ranks[1]).read_text()
+    assert Path(launcher_log).read_text() == ""
+
+
+def test_over_long_lines_are_cut_and_stay_in_their_rank_log(tmp_path):
+    import io
+    demux = ranklogs.RankLogDemux(tmp_path, cap_bytes=10 * ranklogs.LINE_CAP_BYTES)
+    demux.pump(io.BytesIO(b"[1]<stdout>:" + b"y" * (3 * ranklogs.LINE_CAP_BYTES) + b"\n[0]<stdout>:short\n"))
+    ranks, launcher_log, _ = demux.close()
+    assert Path(ranks[1]).read_text().count("y") == 3 * ranklogs.LINE_CAP_BYTES
+    assert Path(ranks[0]).read_text() == "short\n"
+    assert Path(launcher_log).read_text() == ""
