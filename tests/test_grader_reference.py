@@ -3,7 +3,7 @@ solution passes.
 
 That the unmodified serial assessment fails this track is recorded by `scalelab calibrate` in tracks.toml (checked
 by test_grader_spec.py); CI runs the baseline through the grader on a short track instead (test_slurm.py), since
-on cifar10-cpu it only ends at the 300 s budget."""
+on cifar10-cpu it only ends at the budget."""
 
 import json
 import subprocess
