@@ -1,6 +1,8 @@
 # ScaleLab front door. Every target installs what it needs first; a second run does nothing slow.
-#   make lab     JupyterLab on http://127.0.0.1:8888 opened on the course
+#   make lab     JupyterLab on http://127.0.0.1:8888 opened on the student's view of the course (student/)
 #   make test    the whole test suite
+#   make hub     a class on one server: JupyterHub on http://127.0.0.1:8000, one JupyterLab per student (as root;
+#                HUB_IP/HUB_PORT to change; containers/hub/hub.sh says what it installs and where)
 #   make setup   Debian packages + .venv with the pinned stack + Horovod built with TensorFlow, Gloo and MPI
 #                (PYTHON=/path/to/python3.11 picks the interpreter; see containers/setup.sh)
 #   make doctor  what is installed and which data sets are available
@@ -18,6 +20,22 @@ SETUP_STAMP := $(VENV)/.scalelab-setup-done
 SCALELAB_CIFAR10_DIR ?= $(abspath $(wildcard ../shared/data/cifar10-subset))
 export SCALELAB_CIFAR10_DIR
 LAB_PORT ?= 8888
+# Whom `make lab` serves. student (the default): one student on their own machine, in student/ — the released labs,
+# the assessment and START.md, never a solution or a hidden test. instructor: the whole repository, for preparing
+# the course. (A class on one server is `make hub`.)
+LAB_VIEW ?= student
+STUDENT_DIR ?= student
+ifeq ($(LAB_VIEW),student)
+LAB_ROOT := $(abspath $(STUDENT_DIR))
+LAB_START := START.md
+LAB_SETUP_ARGS := --student-view $(LAB_ROOT)
+else ifeq ($(LAB_VIEW),instructor)
+LAB_ROOT := $(CURDIR)
+LAB_START := README.md
+LAB_SETUP_ARGS :=
+else
+$(error LAB_VIEW is student or instructor, not "$(LAB_VIEW)")
+endif
 # Assess service settings as traitlets, e.g. ASSESS_OPTIONS="--AssessService.track=fashion-mnist-cpu --AssessService.slots=1"
 ASSESS_OPTIONS ?=
 # mpirun refuses to start as root unless told; containers and CI run as root.
@@ -32,7 +50,7 @@ export OMPI_MCA_coll_tuned_use_dynamic_rules ?= 1
 export OMPI_MCA_coll_tuned_dynamic_rules_filename ?= $(CURDIR)/source_code/scalelab/openmpi-collective-rules.conf
 PYTEST_ARGS ?=
 
-.PHONY: setup lab test doctor release autograde bench clean
+.PHONY: setup lab test hub doctor release autograde bench clean
 
 setup: $(SETUP_STAMP)
 
@@ -43,14 +61,28 @@ $(SETUP_STAMP): pyproject.toml containers/setup.sh
 doctor: setup
 	$(VENV)/bin/scalelab doctor
 
+# First the course's kernel (the venv's bin/ first on PATH, the Open MPI settings above; the notebooks name it),
+# JupyterLab's settings (Markdown rendered, no news pop-up) and the student's view (source_code/scalelab/lab_setup.py).
+# JupyterLab starts in the folder it serves: nbgrader's extensions take that folder for the course directory.
 lab: setup
-	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
-		--ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/README.md \
+	$(VENV)/bin/scalelab lab-setup $(LAB_SETUP_ARGS)
+	cd $(LAB_ROOT) && $(abspath $(VENV))/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
+		--ServerApp.root_dir=$(LAB_ROOT) --LabApp.default_url=/lab/tree/$(LAB_START) \
+		--MappingKernelManager.default_kernel_name=scalelab \
 		--ServerApp.jpserver_extensions=scalelab.grader.serve=True $(ASSESS_OPTIONS) \
 		$$( [ "$$(id -u)" = 0 ] && echo --allow-root )
 
 test: setup
+	$(VENV)/bin/scalelab lab-setup
+	[ "$$(id -u)" != 0 ] || containers/hub/hub.sh --install-only  # what tests/test_hub.py's `make hub` needs
 	$(VENV_PYTHON) -m pytest $(PYTEST_ARGS)
+
+# Its own venv (HUB_VENV, default /opt/scalelab/venv: every account runs it), not .venv; accounts with
+# `scalelab class add-student NAME` from that venv.
+HUB_IP ?= 127.0.0.1
+HUB_PORT ?= 8000
+hub:
+	HUB_IP=$(HUB_IP) HUB_PORT=$(HUB_PORT) containers/hub/hub.sh
 
 # The nbgrader course directory (holds nbgrader_config.py); point it at a copy to try the cycle elsewhere.
 LABS ?= labs

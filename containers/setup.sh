@@ -6,9 +6,9 @@
 #   containers/setup.sh [--venv DIR] [--gpu] [--hub] [--system-python] [--skip-apt] [--choose-python] [--choose-installer]
 #
 #   --venv DIR          where the virtual environment goes (default: .venv in the project root)
-#   --hub               the environment of a class server (`make hub`): JupyterHub too (pyproject's `hub` extra), and
-#                       the course installed as a copy rather than in editable mode, so that students' servers
-#                       never need to read the checkout (it holds the solutions)
+#   --hub               the environment of a class server (`make hub`): the course installed as a copy rather than in
+#                       editable mode, so that students' servers never need to read the checkout (it holds the
+#                       solutions)
 #   --gpu               tensorflow[and-cuda] and Horovod with NCCL instead of the CPU build
 #   --system-python     install into the chosen interpreter instead of a venv (container images)
 #   --skip-apt          do not check or install Debian packages
@@ -471,7 +471,7 @@ horovod_version="${horovod_pin#horovod==}"
 horovod_build="$horovod_version+scalelab.1"
 # The built wheel is kept, keyed by everything it was compiled against, so that a second venv on this machine
 # (the hub's under /opt next to .venv) installs it in seconds instead of compiling for minutes.
-horovod_wheels="$(dirname "$bootstrap_dir")/horovod-wheels/$flavour-$tensorflow_pin-$(
+horovod_wheels="$(dirname "$bootstrap_dir")/horovod-wheels/$flavour-${tensorflow_pin//[^[:alnum:].=_-]/_}-$(
     cat "$project_root"/containers/patches/horovod-"$horovod_version"-*.patch | sha256sum | cut -c1-16)"
 python_tag="$("$python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
 if [ "$(installed_version horovod)" != "$horovod_build" ]; then
@@ -509,7 +509,7 @@ if [ "$hub" = 1 ]; then
     # version number does not change when the course's code does.
     refresh=()
     if [ "$installer" = uv ]; then refresh=(--reinstall-package scalelab); fi
-    install_pinned ${refresh[@]+"${refresh[@]}"} "${project_root}[$flavour,test,hub]"
+    install_pinned ${refresh[@]+"${refresh[@]}"} "${project_root}[$flavour,test]"
 else
     install_pinned -e "${project_root}[$flavour,test]"
 fi

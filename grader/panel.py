@@ -5,6 +5,11 @@ runtime files, matched on the notebook's directory), submits with ``POST /scalel
 the job with ``GET /scalelab/api/assessments/<id>`` from a background thread, so the notebook stays usable.
 Every failure is shown as a sentence, never a traceback.
 
+Under JupyterHub (``$JUPYTERHUB_API_TOKEN`` and ``$JUPYTERHUB_SERVICE_PREFIX`` in the kernel) the panel talks to
+the class's Assess service instead (``grader/service/hub.py``, at ``$SCALELAB_ASSESS_SERVICE_URL``) with the
+user's own token, and sends the content of ``assessment.py`` (next to the notebook) with the request: the
+service reads no student's files.
+
     from scalelab.grader.panel import AssessPanel
     AssessPanel()
 """
@@ -17,13 +22,21 @@ import os
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import ipywidgets as widgets
 import requests
 
 API_PREFIX = "scalelab/api"
+HUB_API_PREFIX = "api"  # under the Hub service's own URL, /services/scalelab/
+HUB_SERVICE_NAME = "scalelab"
 FINAL_STATES = ("done", "interrupted")
 REQUEST_TIMEOUT_S = 30
+# Far beyond the service's limit: a file this big is refused here rather than sent.
+LARGEST_FILE_SENT_BYTES = 4 << 20
+HUB_SERVICE_DOWN = ("The course's grader service is not running right now (JupyterHub starts it again by itself): "
+                    "your work is saved, so click Assess again in a minute, and tell your instructor if this "
+                    "message stays.")
 
 
 class ServiceError(Exception):
@@ -53,33 +66,71 @@ def find_server(notebook_dir: Path | None = None) -> tuple[str, str]:
     return server["url"], server.get("token", "")
 
 
-class AssessClient:
-    """The REST API, with every failure turned into a ServiceError sentence."""
+def under_jupyterhub() -> bool:
+    """Whether this kernel belongs to a JupyterHub user's server (the Hub puts these in its environment)."""
+    return bool(os.environ.get("JUPYTERHUB_API_TOKEN") and os.environ.get("JUPYTERHUB_SERVICE_PREFIX"))
 
-    def __init__(self, base_url: str, token: str = ""):
+
+def hub_service_url() -> str:
+    """The class's Assess service: ``$SCALELAB_ASSESS_SERVICE_URL`` (the Hub config sets it), else found from the
+    Hub's public URL."""
+    if os.environ.get("SCALELAB_ASSESS_SERVICE_URL"):
+        return os.environ["SCALELAB_ASSESS_SERVICE_URL"]
+    public = urlparse(os.environ.get("JUPYTERHUB_PUBLIC_HUB_URL") or os.environ.get("JUPYTERHUB_PUBLIC_URL") or "")
+    if not public.netloc:
+        raise ServiceError("This server runs under JupyterHub, but the kernel is not told where the class's Assess "
+                           "service is: ask your instructor to register it (SCALELAB_ASSESS_SERVICE_URL).")
+    base = os.environ.get("JUPYTERHUB_BASE_URL") or "/"
+    return f"{public.scheme}://{public.netloc}{base.rstrip('/')}/services/{HUB_SERVICE_NAME}/"
+
+
+class AssessClient:
+    """The REST API, with every failure turned into a ServiceError sentence.
+
+    With ``submission_file`` (the JupyterHub service) a submission sends that file's content; without it (the
+    single-user server) the server reads the student's file itself."""
+
+    def __init__(self, base_url: str, token: str = "", api_prefix: str = API_PREFIX,
+                 submission_file: Path | None = None):
         self.base_url = base_url.rstrip("/") + "/"
+        self.api_prefix = api_prefix
+        self.submission_file = Path(submission_file) if submission_file is not None else None
         self.session = requests.Session()
         if token:
             self.session.headers["Authorization"] = f"token {token}"
 
+    @property
+    def hub(self) -> bool:
+        return self.submission_file is not None
+
     @classmethod
     def for_this_notebook(cls) -> "AssessClient":
+        if under_jupyterhub():
+            return cls(hub_service_url(), os.environ["JUPYTERHUB_API_TOKEN"], api_prefix=HUB_API_PREFIX,
+                       submission_file=Path(os.getcwd()) / "assessment.py")
         return cls(*find_server())
 
-    def _call(self, method: str, path: str) -> dict:
-        url = f"{self.base_url}{API_PREFIX}/{path}"
+    def _call(self, method: str, path: str, content: bytes | None = None) -> dict:
+        url = f"{self.base_url}{self.api_prefix}/{path}"
+        headers = {"Content-Type": "text/x-python; charset=utf-8"} if content is not None else None
         try:
-            response = self.session.request(method, url, timeout=REQUEST_TIMEOUT_S)
+            response = self.session.request(method, url, data=content, headers=headers, timeout=REQUEST_TIMEOUT_S)
         except requests.RequestException:
+            if self.hub:
+                raise ServiceError(HUB_SERVICE_DOWN) from None
             raise ServiceError(f"The Assess service is not reachable ({self.base_url}): the Jupyter server may "
                                f"have stopped. Save your work and start JupyterLab again with `make lab`.") from None
-        if response.status_code in (401, 403):
-            raise ServiceError("The Jupyter server refused the request because this kernel is not logged in to "
-                               "it; reload the page and run the panel cell again.")
         try:
             body = response.json()
         except ValueError:
             body = {}
+        if not isinstance(body, dict):
+            body = {}
+        if self.hub:
+            self._refuse_hub_errors(response.status_code, path, body)
+        if response.status_code in (401, 403):
+            raise ServiceError("The Jupyter server refused the request because this kernel is not logged in to "
+                               "it; reload the page and run the panel cell again.")
         if response.status_code == 404 and path == "service":
             raise ServiceError("This Jupyter server does not run the Assess service: start JupyterLab with "
                                "`make lab`, which enables it.")
@@ -88,11 +139,44 @@ class AssessClient:
             raise ServiceError(message)
         return body
 
+    def _refuse_hub_errors(self, status: int, path: str, body: dict) -> None:
+        """What the Hub's proxy says when the service is down or absent, and the service's own refusals."""
+        if status in (401, 403):
+            raise ServiceError("The class's Assess service did not accept this kernel's JupyterHub token: stop and "
+                               "start your server from the Hub's control panel, then run the panel cell again.")
+        if body.get("message") and status >= 400:
+            raise ServiceError(body["message"])
+        if status in (502, 503, 504):  # the proxy's answer: nothing listens behind the service's route
+            raise ServiceError(HUB_SERVICE_DOWN)
+        if status == 404 and path == "service":
+            raise ServiceError(f"This JupyterHub runs no Assess service at {self.base_url}: ask your instructor "
+                               f"to register it (containers/hub/jupyterhub_config.py).")
+
+    def _submission_content(self) -> bytes:
+        path = self.submission_file
+        try:
+            with open(path, "rb") as stream:
+                size = os.fstat(stream.fileno()).st_size
+                if size > LARGEST_FILE_SENT_BYTES:
+                    raise ServiceError(f"{path.name} is {size} bytes, far over the size limit for a submission; "
+                                       f"make it smaller and click Assess again.")
+                return stream.read(LARGEST_FILE_SENT_BYTES + 1)
+        except FileNotFoundError:
+            raise ServiceError(f"There is no {path.name} to assess: save your script as {path.name} (next to the "
+                               f"assessment notebook) and click Assess again.") from None
+        except IsADirectoryError:
+            raise ServiceError(f"{path.name} is a folder; save your script as a plain file {path.name} and click "
+                               f"Assess again.") from None
+        except OSError as error:
+            raise ServiceError(f"{path.name} cannot be read ({error.strerror}); save your script as a plain file "
+                               f"{path.name} that you can read and click Assess again.") from None
+
     def service(self) -> dict:
         return self._call("GET", "service")
 
     def submit(self) -> tuple[dict, bool]:
-        body = self._call("POST", "assessments")
+        content = self._submission_content() if self.hub else None
+        body = self._call("POST", "assessments", content)
         return body["job"], body["created"]
 
     def job(self, job_id: int) -> dict:

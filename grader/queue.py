@@ -266,12 +266,13 @@ class AssessQueue:
             return changed.rowcount == 1
 
     def orphaned_running_jobs(self, host: str, server_pid: int) -> list[dict]:
-        """Running jobs of this host whose server process is gone (or is not the one that claimed them)."""
+        """Running jobs of this host whose server process is gone (or is not the one that claimed them). A pid
+        equal to ``server_pid`` is no exception: in a container every start of the server is pid 1."""
         with self.sessions() as session:
             jobs = [job.as_dict() for job in session.scalars(
                 select(AssessJob).where(AssessJob.state == RUNNING).order_by(AssessJob.id))]
         return [job for job in jobs
-                if job["worker_host"] in (None, host) and job["worker_pid"] != server_pid
+                if job["worker_host"] in (None, host)
                 and not _process_alive_since(job["worker_pid"], job["started_at"])]
 
 

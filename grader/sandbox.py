@@ -70,7 +70,12 @@ def software_paths() -> list[Path]:
 
     paths = {Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(),
              Path(scalelab.__file__).resolve().parent, Path(scalelab.grader.__file__).resolve().parent}
-    return sorted(paths)
+    # Installed packages outside the venv (a venv that reuses another's site-packages through a .pth file):
+    # only directories named site-packages or dist-packages, which hold installed software and nothing else.
+    paths |= {Path(entry).resolve() for entry in sys.path
+              if entry and Path(entry).name in ("site-packages", "dist-packages") and Path(entry).is_dir()}
+    # A path inside another shown one adds nothing.
+    return sorted(path for path in paths if not any(other != path and _is_under(path, other) for other in paths))
 
 
 def data_directories() -> list[Path]:

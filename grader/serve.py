@@ -13,6 +13,9 @@ all under ``/scalelab/api/`` and guarded by Jupyter's own authentication:
 - ``GET  /scalelab/api/assessments/<id>``   one job: queued (+ position), running (+ progress), done (+ verdict)
                                             or interrupted (+ reason)
 
+The same service behind JupyterHub, for a class, is ``service/hub.py``: one process for every student, the
+script sent as content in the request, the student named by the Hub.
+
 Grading happens in the server's worker threads (``workers.py``), each running ``scalelab assess`` as its own
 process: never in the student's kernel. Settings are traitlets config on ``AssessService`` (see its traits), e.g.
 ``--AssessService.slots=2 --AssessService.track=fashion-mnist-cpu``.
@@ -142,7 +145,7 @@ class AssessService(LoggingConfigurable):
         "Bytes a student's job directories may take; beyond it the oldest are removed first (their verdicts "
         "stay in the database). A queued or running job's directory is never removed. 0: no quota."))
 
-    def __init__(self, root_dir: str, identity_provider=None, **kwargs):
+    def __init__(self, root_dir: str | None, identity_provider=None, **kwargs):
         super().__init__(**kwargs)
         if self.student_identity == "jupyter-user" and type(identity_provider) in ANONYMOUS_IDENTITY_PROVIDERS:
             raise ValueError(
@@ -150,7 +153,9 @@ class AssessService(LoggingConfigurable):
                 f"provider ({type(identity_provider).__name__}): it names every token request as a new anonymous "
                 f"user, so one student could queue any number of jobs. Use student_identity = 'auto' or "
                 f"'server-owner', or an identity provider that names its users (JupyterHub's).")
-        self.root_dir = Path(root_dir).resolve()
+        # None: the submission always comes as content in the request (the JupyterHub service, which never
+        # reads a student's files); submit_content() is then the only way in.
+        self.root_dir = Path(root_dir).resolve() if root_dir is not None else None
         self.identity_provider = identity_provider
         self.track_name = self.track or None
         self.track_spec = spec.load_track(self.track_name, self.tracks_file or None)
@@ -203,6 +208,9 @@ class AssessService(LoggingConfigurable):
         return getattr(user, "username", None) or str(user)
 
     def submission_file(self, student: str) -> Path:
+        if self.root_dir is None:
+            raise SubmissionProblem(400, "This Assess service reads no files: send the content of your "
+                                         "assessment.py with the request (the Assess panel does).")
         relative = self.submission_path.format(student=safe_student_name(student))
         # Normalized, not resolved: links in the student's part of the path are refused when it is read.
         path = Path(os.path.normpath(self.root_dir / relative))
@@ -252,6 +260,19 @@ class AssessService(LoggingConfigurable):
         shown = source.relative_to(self.root_dir)
         # The copy, made now, is what gets graded: later edits do not change a queued job.
         content = self.read_submission(source)
+        return self.submit_content(student, content, shown=str(shown), origin=str(source))
+
+    def submit_content(self, student: str, content: bytes, shown: str = "assessment.py",
+                       origin: str | None = None, *, pause: bool = True) -> tuple[dict, bool]:
+        """Queue ``content`` as the student's submission (or return the student's active job).
+
+        ``shown`` names the file in messages to the student; ``origin`` is recorded as where it came from. What
+        cannot be a submission at all (empty, binary, not UTF-8) is refused by ``check_submission_file``.
+        ``pause=False`` (an instructor's regrade) skips the pause between a student's submissions."""
+        limit = SUBMISSION_SIZE_LIMIT_BYTES
+        if len(content) > limit:
+            raise SubmissionProblem(413, f"{shown} is {len(content)} bytes, over the {limit} byte limit for a "
+                                         f"submission; make it smaller and click Assess again.")
         job_dir = self.jobs_root / uuid.uuid4().hex
         job_dir.mkdir(mode=0o700)
         try:
@@ -265,8 +286,9 @@ class AssessService(LoggingConfigurable):
                                              f"{str(error).replace(str(copy), 'the file')}.") from None
             job, created = self.queue.submit(
                 student=student, track=self.track_name, backend=self.backend, job_dir=job_dir,
-                submission_path=str(source), submission_sha256=hashlib.sha256(content).hexdigest(),
-                max_queued=self.max_queued, min_seconds_between_submissions=self.min_seconds_between_submissions)
+                submission_path=origin or shown, submission_sha256=hashlib.sha256(content).hexdigest(),
+                max_queued=self.max_queued,
+                min_seconds_between_submissions=self.min_seconds_between_submissions if pause else 0.0)
         except TooSoon as too_soon:
             shutil.rmtree(job_dir, ignore_errors=True)
             wait_s = max(1, math.ceil(too_soon.wait_s))
@@ -319,7 +341,7 @@ class AssessService(LoggingConfigurable):
         return {"track": self.track_name, "dataset": self.track_spec.dataset,
                 "target_accuracy": self.track_spec.target_accuracy, "time_budget_s": self.track_spec.time_budget_s,
                 "slots": self.slot_count, "backend": self.backend, "max_queued": self.max_queued,
-                "submission_path": self.submission_path,
+                "submission_path": self.submission_path if self.root_dir is not None else "assessment.py",
                 "min_seconds_between_submissions": self.min_seconds_between_submissions,
                 "counts": self.queue.counts()}
 
@@ -413,15 +435,20 @@ class AssessmentsHandler(AssessHandler):
         try:
             job, created = await self.blocking(self.service.submit, self.student)
         except SubmissionProblem as problem:
-            if problem.retry_after_s is None:
-                raise web.HTTPError(problem.status, str(problem)) from None
-            # Written here: send_error would drop the Retry-After header.
-            self.set_status(problem.status)
-            self.set_header("Retry-After", str(problem.retry_after_s))
-            self.finish({"message": str(problem), "reason": None})
+            send_problem(self, problem)
             return
         self.set_status(201 if created else 200)
         self.finish({"job": job, "created": created})
+
+
+def send_problem(handler: web.RequestHandler, problem: SubmissionProblem) -> None:
+    """The refusal as the API's error JSON (``message``, ``reason``), with ``Retry-After`` when there is one."""
+    if problem.retry_after_s is None:
+        raise web.HTTPError(problem.status, str(problem)) from None
+    # Written here: send_error would drop the Retry-After header.
+    handler.set_status(problem.status)
+    handler.set_header("Retry-After", str(problem.retry_after_s))
+    handler.finish({"message": str(problem), "reason": None})
 
 
 class AssessmentHandler(AssessHandler):

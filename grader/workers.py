@@ -179,12 +179,13 @@ class GradingWorkers:
     """``slots`` threads, each claiming the oldest queued job and grading it with ``scalelab assess``."""
 
     def __init__(self, queue: AssessQueue, settings: GraderSettings, slots: int, log=None,
-                 retention: JobRetention | None = None):
+                 retention: JobRetention | None = None, server_name: str = "the Jupyter server"):
         if slots < 1:
             raise ValueError(f"slots must be at least 1, not {slots}")
         self.queue, self.settings, self.slots = queue, settings, slots
         self.log = log
         self.retention = retention
+        self.server_name = server_name  # what stopped, in the reason an interrupted job's student reads
         self.host, self.server_pid = socket.gethostname(), os.getpid()
         self._stopping = threading.Event()
         self.stop_reason = ""
@@ -210,7 +211,7 @@ class GradingWorkers:
             else:
                 started = utc_iso(job["started_at"]) or "an unknown time"
                 self.queue.interrupt(job["id"], (
-                    f"Interrupted: the Jupyter server stopped while this assessment was running (it started at "
+                    f"Interrupted: {self.server_name} stopped while this assessment was running (it started at "
                     f"{started}), so it was not graded. Nothing was recorded as a result; click Assess to "
                     f"submit it again."))
             self._tidy(job)
@@ -227,10 +228,11 @@ class GradingWorkers:
         with self._wakeup:
             self._wakeup.notify_all()
 
-    def stop(self, reason: str = "Interrupted: the Jupyter server was stopped while this assessment was "
-                                 "running, so it was not graded. Click Assess to submit it again.") -> None:
+    def stop(self, reason: str | None = None) -> None:
         """Stop claiming; mark running jobs interrupted (first, so no verdict races in), then kill graders."""
-        self.stop_reason = reason
+        self.stop_reason = reason or (f"Interrupted: {self.server_name} was stopped while this assessment was "
+                                      f"running, so it was not graded. Click Assess to submit it again.")
+        reason = self.stop_reason
         with self._running_lock:  # with _grade's registration: a grader is either seen here or never started
             self._stopping.set()
             running = dict(self._running)

@@ -16,7 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from scalelab.grader.queue import DONE, INTERRUPTED, QUEUED, RUNNING, AssessQueue, QueueFull, TooSoon, sqlite_url
+from sqlalchemy import update
+
+from scalelab.grader.queue import (DONE, INTERRUPTED, QUEUED, RUNNING, AssessJob, AssessQueue, QueueFull, TooSoon,
+                                   sqlite_url)
 from scalelab.grader.workers import GraderSettings, GradingWorkers, JobRetention
 
 FAST_SUBMISSION = Path(__file__).parent / "submissions" / "service" / "syntax_error_fast.py"
@@ -155,6 +158,20 @@ def test_recovery_keeps_a_verdict_the_grader_had_written_before_the_server_died(
     stored = queue.get(job["id"])
     assert stored["state"] == DONE and stored["verdict"]["verdict"] == "fail"
     assert any("server restarted" in note for note in stored["verdict"]["notes"])
+
+
+def test_recovery_settles_a_job_claimed_by_an_earlier_server_with_this_servers_pid(queue, tmp_path):
+    """In a container the server is pid 1 at every start: the pid alone does not make a job this server's."""
+    earlier, _ = submit(queue, "a", tmp_path / "a")
+    queue.claim_next(socket.gethostname(), os.getpid())
+    before_this_process = psutil.Process().create_time() - 60
+    with queue.sessions.begin() as session:
+        session.execute(update(AssessJob).where(AssessJob.id == earlier["id"]).values(started_at=before_this_process))
+    own, _ = submit(queue, "b", tmp_path / "b")
+    queue.claim_next(socket.gethostname(), os.getpid())  # claimed by this very process: left alone
+    settled = workers_for(queue).recover()
+    assert [job["id"] for job in settled] == [earlier["id"]]
+    assert queue.get(earlier["id"])["state"] == INTERRUPTED and queue.get(own["id"])["state"] == RUNNING
 
 
 def test_recovery_leaves_the_jobs_of_a_live_server_alone(queue, tmp_path):

@@ -38,6 +38,30 @@ def course_copy(root: Path, submission: Path) -> None:
     shutil.copy(submission, root / "assessment" / "assessment.py")
 
 
+def run_panel_cell(page):
+    """In the open assessment notebook: wait for its kernel, run the Assess-panel cell; the panel, its button shown."""
+    from playwright.sync_api import expect
+
+    cell = page.locator(".jp-CodeCell", has_text="AssessPanel()")
+    cell.wait_for(timeout=90_000)
+    expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")).to_have_count(
+        1, timeout=90_000)  # the kernel is up
+    # Run the panel cell. A key press can land before the editor has focus (seen once in CI: the panel never
+    # came); until the cell's prompt shows that it ran ("[*]:" or "[1]:"), press again.
+    prompt = cell.locator(".jp-InputArea-prompt")
+    for _ in range(3):
+        cell.locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Shift+Enter")
+        try:
+            expect(prompt).not_to_have_text(re.compile(r"^\[ \]:$"), timeout=10_000)
+            break
+        except AssertionError:
+            pass  # not run yet: press again
+    panel = page.locator(".scalelab-assess-panel")
+    panel.locator("button", has_text="Assess").wait_for(timeout=60_000)
+    return panel
+
+
 def assess_in_browser(server: JupyterServer, screenshot: Path, verdict_timeout_s: float) -> dict:
     """Open the notebook, run the panel cell, click Assess, wait for the verdict. Returns timings and texts."""
     from playwright.sync_api import expect, sync_playwright
@@ -47,24 +71,8 @@ def assess_in_browser(server: JupyterServer, screenshot: Path, verdict_timeout_s
         try:
             page = browser.new_page(viewport={"width": 1300, "height": 1400})
             page.goto(f"{server.url}lab/tree/assessment/assessment.ipynb?token={server.token}")
-            cell = page.locator(".jp-CodeCell", has_text="AssessPanel()")
-            cell.wait_for(timeout=90_000)
-            expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")).to_have_count(
-                1, timeout=90_000)  # the kernel is up
-            # Run the panel cell. A key press can land before the editor has focus (seen once in CI: the panel never
-            # came); until the cell's prompt shows that it ran ("[*]:" or "[1]:"), press again.
-            prompt = cell.locator(".jp-InputArea-prompt")
-            for _ in range(3):
-                cell.locator(".jp-InputArea-editor").click()
-                page.keyboard.press("Shift+Enter")
-                try:
-                    expect(prompt).not_to_have_text(re.compile(r"^\[ \]:$"), timeout=10_000)
-                    break
-                except AssertionError:
-                    pass  # not run yet: press again
-            panel = page.locator(".scalelab-assess-panel")
+            panel = run_panel_cell(page)
             button = panel.locator("button", has_text="Assess")
-            button.wait_for(timeout=60_000)
             expect(panel.locator(".scalelab-status")).to_contain_text("Not assessed yet", timeout=30_000)
             clicked = time.monotonic()
             button.click()

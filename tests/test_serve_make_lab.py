@@ -28,8 +28,9 @@ def test_make_lab_serves_the_assess_api(tmp_path):
                          BROWSER="true")
     log_path = tmp_path / "lab.log"
     with log_path.open("w") as log:
-        server = subprocess.Popen(["make", "lab", f"LAB_PORT={port}"], cwd=PROJECT_ROOT, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+        server = subprocess.Popen(["make", "lab", f"LAB_PORT={port}", f"STUDENT_DIR={tmp_path / 'student'}"],
+                                  cwd=PROJECT_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
     api = f"http://127.0.0.1:{port}/scalelab/api/service"
     try:
         deadline, answer = time.monotonic() + 120, None

@@ -1,9 +1,11 @@
-"""The ``scalelab`` command: ``doctor`` here; ``assess``, ``grade`` and ``calibrate`` come from the grader."""
+"""The ``scalelab`` command: ``doctor`` and ``lab-setup`` here, ``class`` from classroom.py; ``assess``, ``grade``
+and ``calibrate`` come from the grader."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from . import __version__
 
@@ -79,6 +81,23 @@ def doctor(args: argparse.Namespace) -> int:
     return EXIT_PROBLEMS if problems else EXIT_OK
 
 
+def lab_setup(args: argparse.Namespace) -> int:
+    """The course's kernel and JupyterLab settings; with --student-view, the student's view of the course."""
+    from . import lab_setup as setup
+
+    print(f"kernel          {setup.install_kernel()}")
+    print(f"jupyterlab      {setup.install_jupyterlab_settings()}")
+    if args.student_view:
+        try:
+            report = setup.build_student_view(args.student_view, args.course or setup.COURSE_ROOT)
+        except (OSError, RuntimeError) as error:
+            print(f"scalelab lab-setup: the student's view could not be built: {error}", file=sys.stderr)
+            return EXIT_PROBLEMS
+        print(f"student view    {args.student_view}: {len(report['copied'])} files copied, "
+              f"{len(report['kept'])} already there kept as they are")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scalelab", description="ScaleLab: distributed deep learning course tools.")
     parser.add_argument("--version", action="version", version=f"scalelab {__version__}")
@@ -86,6 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     commands.required = True
     check = commands.add_parser("doctor", help="check the installed stack and the data sets")
     check.set_defaults(func=doctor)
+    lab = commands.add_parser("lab-setup", help="install the course's Jupyter kernel and JupyterLab settings "
+                              "(what `make lab` and `make test` run first)")
+    lab.add_argument("--student-view", type=Path, metavar="DIR",
+                     help="also fill DIR with the student's view: the released labs, the assessment, START.md "
+                          "(never a solution; files already there are kept)")
+    lab.add_argument("--course", type=Path, default=None, metavar="ROOT",
+                     help="the course checkout the view comes from (default: the one this package lives in)")
+    lab.set_defaults(func=lab_setup)
+    from . import classroom
+    classroom.register(commands)
     try:
         from scalelab.grader import commands as grader_commands
     except ImportError as error:  # the course library must stay usable if the grader is broken

@@ -1,0 +1,245 @@
+#!/usr/bin/env bash
+# `make hub`: installs what a class on one server needs, then serves JupyterHub (containers/hub/jupyterhub_config.py)
+# in the foreground on http://$HUB_IP:$HUB_PORT. As root; every step is skipped when already done.
+#
+#   containers/hub/hub.sh [--install-only]     (--install-only: everything but serving; `make test` runs it as root
+#                                               so that the hub tests download nothing)
+#
+#   HUB_IP (127.0.0.1), HUB_PORT (8000)          where students connect
+#   HUB_PROXY_API_PORT, HUB_INTERNAL_PORT        on 127.0.0.1: the proxy's API (HUB_PORT+1), the Hub (HUB_PORT+81)
+#   SCALELAB_SERVICE_PORT                        on 127.0.0.1: the grader service (HUB_PORT+82)
+#   HUB_VENV (/opt/scalelab/venv)                the environment every account runs: the stack, JupyterHub, the
+#                                                course as a copy (containers/setup.sh --hub)
+#   HUB_COURSE (/opt/scalelab/course)            what each student's ~/scalelab starts from: labs/release/ (made
+#                                                here with nbgrader) and the assessment, never a solution
+#   HUB_STATE (/var/lib/scalelab-hub)            the Hub's database, cookie secret and proxy token, mode 0700
+#   HUB_NBGRADER (/srv/nbgrader)                 nbgrader's exchange (exchange/) and the instructors' course
+#                                                directory (course/: sources, submissions, gradebook.db)
+#   HUB_CONFIG_D (/etc/scalelab/hub.d)           the site's own additions to the Hub's config: every *.py there,
+#                                                in name order, loaded last (containers/hub/sites/ has examples)
+#
+# Exit codes: 0 the Hub stopped normally; 1 an install step failed; 2 a port setting is not a number; 3 a port is
+# in use; 4 not root.
+set -euo pipefail
+
+install_only=0
+case "${1:-}" in
+    "") ;;
+    --install-only) install_only=1 ;;
+    *) echo "hub.sh: unknown option '$1'" >&2; exit 2 ;;
+esac
+project_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+HUB_IP="${HUB_IP:-127.0.0.1}"
+HUB_PORT="${HUB_PORT:-8000}"
+HUB_VENV="${HUB_VENV:-/opt/scalelab/venv}"
+HUB_COURSE="${HUB_COURSE:-/opt/scalelab/course}"
+HUB_STATE="${HUB_STATE:-/var/lib/scalelab-hub}"
+HUB_NBGRADER="${HUB_NBGRADER:-/srv/nbgrader}"
+HUB_CONFIG_D="${HUB_CONFIG_D:-/etc/scalelab/hub.d}"
+EXIT_FAILED=1 EXIT_BAD_SETTING=2 EXIT_PORT_IN_USE=3 EXIT_NOT_ROOT=4
+
+say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
+fail() { local code="$1"; shift; echo "make hub: $*" >&2; exit "$code"; }
+
+check_port() {
+    if ! [[ "${!1}" =~ ^[0-9]{1,5}$ ]] || [ "${!1}" -lt 1 ] || [ "${!1}" -gt 65535 ]; then
+        fail $EXIT_BAD_SETTING "$1=${!1} is not a port number (1 to 65535)."
+    fi
+}
+check_port HUB_PORT
+HUB_PROXY_API_PORT="${HUB_PROXY_API_PORT:-$((HUB_PORT + 1))}"
+HUB_INTERNAL_PORT="${HUB_INTERNAL_PORT:-$((HUB_PORT + 81))}"
+SCALELAB_SERVICE_PORT="${SCALELAB_SERVICE_PORT:-$((HUB_PORT + 82))}"
+check_port HUB_PROXY_API_PORT
+check_port HUB_INTERNAL_PORT
+check_port SCALELAB_SERVICE_PORT
+# Written into a Python file (containers/hub/nbgrader_config.py): a plain absolute path only.
+if ! [[ "$HUB_NBGRADER" =~ ^/[A-Za-z0-9._/-]+$ ]]; then
+    fail $EXIT_BAD_SETTING "HUB_NBGRADER=$HUB_NBGRADER is not an absolute path of letters, digits, '.', '_', '-'" \
+        "and '/'."
+fi
+
+if [ "$(id -u)" != 0 ]; then
+    fail $EXIT_NOT_ROOT "the Hub must run as root (it logs students in with PAM and starts each one's server as" \
+        "their own account): sudo make hub"
+fi
+
+# Before installing anything. SO_REUSEADDR as the proxy binds: a port left in TIME_WAIT by a stopped Hub is free.
+port_in_use() {
+    python3 - "$1" "$2" <<'PY'
+import socket, sys
+with socket.socket() as probe:
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        probe.bind((sys.argv[1], int(sys.argv[2])))
+    except OSError:
+        sys.exit(0)
+sys.exit(1)
+PY
+}
+for check in "$HUB_IP $HUB_PORT HUB_PORT" "127.0.0.1 $HUB_PROXY_API_PORT HUB_PROXY_API_PORT" \
+             "127.0.0.1 $HUB_INTERNAL_PORT HUB_INTERNAL_PORT" \
+             "127.0.0.1 $SCALELAB_SERVICE_PORT SCALELAB_SERVICE_PORT"; do
+    read -r address port variable <<<"$check"
+    if [ "$install_only" = 0 ] && port_in_use "$address" "$port"; then
+        fail $EXIT_PORT_IN_USE "port $port on $address is already in use; stop what listens there or set $variable" \
+            "to a free port."
+    fi
+done
+
+# The proxy: Debian's package (no download when the Hub starts).
+if ! dpkg-query -W -f='${Status}' node-configurable-http-proxy 2>/dev/null | grep -q "install ok installed"; then
+    say "Installing Debian's node-configurable-http-proxy"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq --no-install-recommends node-configurable-http-proxy >/dev/null 2>&1 || {
+        apt-get update -qq && apt-get install -y -qq --no-install-recommends node-configurable-http-proxy >/dev/null
+    } || fail $EXIT_FAILED "apt-get could not install node-configurable-http-proxy."
+fi
+
+# The grader's account, and the class's groups (`scalelab class` fills them).
+if ! getent passwd scalelab >/dev/null; then
+    say "Creating the system account scalelab (the grader)"
+    useradd --system --user-group --create-home --home-dir /var/lib/scalelab --shell /usr/sbin/nologin \
+        --comment "ScaleLab grader" scalelab
+    chmod 0700 /var/lib/scalelab
+fi
+for group in scalelab-students scalelab-instructors; do
+    getent group "$group" >/dev/null || groupadd --system "$group"
+done
+
+# The shared venv, again when the stack or the course's code changed since.
+stamp="$HUB_VENV/.scalelab-hub-done"
+if [ ! -e "$stamp" ] || [ -n "$(cd "$project_root" && find pyproject.toml containers/setup.sh source_code/scalelab \
+        grader -name __pycache__ -prune -o -newer "$stamp" -print -quit)" ]; then
+    say "Installing the shared environment $HUB_VENV"
+    mkdir -p "$(dirname "$HUB_VENV")"
+    chmod a+rx "$(dirname "$HUB_VENV")"
+    (umask 022 && "$project_root/containers/setup.sh" --venv "$HUB_VENV" --hub) || \
+        fail $EXIT_FAILED "containers/setup.sh could not install $HUB_VENV (its output above says why)."
+    touch "$stamp"
+fi
+# The course's kernel (the notebooks name it) and JupyterLab settings, in the shared venv, readable by all.
+(umask 022 && "$HUB_VENV/bin/scalelab" lab-setup >/dev/null) || \
+    fail $EXIT_FAILED "scalelab lab-setup could not install the course's kernel into $HUB_VENV."
+
+# The students' release of the labs when a source is newer, as `make lab` makes it (scalelab.lab_setup: nbgrader,
+# one process at a time).
+"$HUB_VENV/bin/python" - "$project_root/labs" <<'PY' || fail $EXIT_FAILED "nbgrader could not release the labs."
+import sys
+from pathlib import Path
+
+from scalelab.lab_setup import locked, release_is_stale, release_labs
+
+labs = Path(sys.argv[1])
+with locked(labs):
+    if release_is_stale(labs):
+        print("\033[1m==> Releasing the labs for students (nbgrader generate_assignment)\033[0m", flush=True)
+        release_labs(labs)
+PY
+
+# What every student's ~/scalelab starts from: readable by all, replaced whole.
+say "Staging the course for students in $HUB_COURSE"
+staging="$HUB_COURSE.new"
+rm -rf "$staging"
+(
+    umask 022
+    mkdir -p "$staging/labs" "$staging/assessment"
+    cp -R "$project_root/labs/release/." "$staging/labs/"
+    cp "$project_root/assessment/assessment.ipynb" "$project_root/assessment/assessment.py" "$staging/assessment/"
+    # The tracks the grader service reads (as scalelab, which cannot read a checkout under a private home).
+    cp "$project_root/assessment/tracks.toml" "$staging/tracks.toml"
+)
+chmod -R a+rX "$staging"
+rm -rf "$HUB_COURSE.old"
+if [ -e "$HUB_COURSE" ]; then mv "$HUB_COURSE" "$HUB_COURSE.old"; fi
+mv "$staging" "$HUB_COURSE"
+rm -rf "$HUB_COURSE.old"
+
+# nbgrader's exchange and the instructors' course directory (containers/hub/nbgrader_config.py says who reads what).
+say "Setting up nbgrader's exchange and the instructors' course directory in $HUB_NBGRADER"
+exchange="$HUB_NBGRADER/exchange" course_dir="$HUB_NBGRADER/course"
+shared_dir() {  # MODE DIRECTORY...: root's, group scalelab-instructors
+    local mode="$1"; shift
+    mkdir -p "$@"
+    chown root:scalelab-instructors "$@"
+    chmod "$mode" "$@"
+}
+mkdir -p "$HUB_NBGRADER"
+chmod 0755 "$HUB_NBGRADER"
+mkdir -p "$exchange"
+chown root:root "$exchange"
+chmod 1777 "$exchange"  # nbgrader's documented mode for the exchange's root
+# Made here with the instructors' group (nbgrader would make them its first user's): instructors release into
+# outbound/ (everyone reads it); students write into inbound/ and cannot list it (-wx); feedback/ is read by hash.
+shared_dir 2775 "$exchange/scalelab" "$exchange/scalelab/outbound"
+shared_dir 2773 "$exchange/scalelab/inbound"
+shared_dir 2771 "$exchange/scalelab/feedback"
+shared_dir 2770 "$course_dir" "$course_dir/source"
+# The sources: a file newer in the checkout replaces the course's; an instructor's later edit there stays.
+cp -R --update "$project_root/labs/source/." "$course_dir/source/"
+find "$course_dir/source" -type d -exec chmod 2770 {} +
+find "$course_dir/source" -type f -exec chmod 0660 {} +
+chgrp -R scalelab-instructors "$course_dir/source"
+# The course's configuration (root, gradebook, autograding), as in the checkout; code every instructor's nbgrader
+# runs, so only root writes it.
+install -m 0640 -o root -g scalelab-instructors "$project_root/labs/nbgrader_config.py" "$course_dir/nbgrader_config.py"
+# The one gradebook, made here so that it is the group's: every instructor writes it (SQLite gives its journal the
+# database's mode).
+if [ ! -e "$course_dir/gradebook.db" ]; then
+    PATH="$HUB_VENV/bin:$PATH" "$HUB_VENV/bin/python" -I -c 'import sys; from nbgrader.api import Gradebook
+Gradebook("sqlite:///" + sys.argv[1], course_id="scalelab").close()' "$course_dir/gradebook.db" || \
+        fail $EXIT_FAILED "nbgrader could not create the gradebook $course_dir/gradebook.db."
+fi
+chown root:scalelab-instructors "$course_dir/gradebook.db"
+chmod 0660 "$course_dir/gradebook.db"
+# Everyone's nbgrader configuration (course id, exchange; the course directory for instructors), in the shared venv.
+mkdir -p "$HUB_VENV/etc/jupyter"
+sed "s|^NBGRADER_HOME = .*|NBGRADER_HOME = \"$HUB_NBGRADER\"  # HUB_NBGRADER of make hub|" \
+    "$project_root/containers/hub/nbgrader_config.py" > "$HUB_VENV/etc/jupyter/nbgrader_config.py.new"
+chmod 0644 "$HUB_VENV/etc/jupyter/nbgrader_config.py.new"
+mv "$HUB_VENV/etc/jupyter/nbgrader_config.py.new" "$HUB_VENV/etc/jupyter/nbgrader_config.py"
+# nbgrader's instructor tools: off in the shared venv with nbgrader's documented commands (students keep the
+# Assignments tab and validation), locked there so that JupyterLab's plugin manager cannot turn them back on, and on
+# again in etc/jupyter-instructors, which the Hub adds to instructors' servers (JUPYTER_CONFIG_PATH; written here
+# as JSON: JupyterLab refuses `labextension enable` below a lock).
+instructor_tools_lab=(@jupyter/nbgrader:formgrader @jupyter/nbgrader:create-assignment @jupyter/nbgrader:course-list)
+instructor_tools_server=(nbgrader.server_extensions.formgrader nbgrader.server_extensions.course_list)
+instructors_config="$HUB_VENV/etc/jupyter-instructors"
+(
+    umask 022
+    "$HUB_VENV/bin/jupyter" labextension disable --level=sys_prefix "${instructor_tools_lab[@]}" >/dev/null 2>&1 &&
+    "$HUB_VENV/bin/jupyter" labextension lock --level=sys_prefix "${instructor_tools_lab[@]}" >/dev/null 2>&1 &&
+    "$HUB_VENV/bin/jupyter" server extension disable --sys-prefix "${instructor_tools_server[@]}" >/dev/null 2>&1 &&
+    mkdir -p "$instructors_config/labconfig" "$instructors_config/jupyter_server_config.d" &&
+    "$HUB_VENV/bin/python" -I - "$instructors_config" "${instructor_tools_lab[*]}" \
+        "${instructor_tools_server[*]}" <<'PY'
+import json
+import sys
+from pathlib import Path
+
+directory, lab_tools, server_tools = Path(sys.argv[1]), sys.argv[2].split(), sys.argv[3].split()
+(directory / "labconfig" / "page_config.json").write_text(
+    json.dumps({"disabledExtensions": {tool: False for tool in lab_tools}}, indent=2) + "\n")
+(directory / "jupyter_server_config.d" / "scalelab-instructors.json").write_text(
+    json.dumps({"ServerApp": {"jpserver_extensions": {tool: True for tool in server_tools}}}, indent=2) + "\n")
+PY
+) || fail $EXIT_FAILED "jupyter could not turn nbgrader's instructor tools off for students in $HUB_VENV."
+
+# The instructor's material in the checkout is no student's business: solutions, hidden tests, the gradebook.
+for private in labs/source assessment/solution labs/gradebook.db labs/submitted labs/autograded labs/feedback; do
+    if [ -e "$project_root/$private" ]; then chmod go-rwx "$project_root/$private"; fi
+done
+
+mkdir -p "$HUB_STATE"
+chmod 0700 "$HUB_STATE"
+if [ "$install_only" = 1 ]; then
+    say "Everything make hub needs is installed"
+    exit 0
+fi
+say "JupyterHub on http://$HUB_IP:$HUB_PORT (state in $HUB_STATE; Ctrl-C stops it and the students' servers)"
+cd "$HUB_STATE"
+export HUB_IP HUB_PORT HUB_PROXY_API_PORT HUB_INTERNAL_PORT SCALELAB_SERVICE_PORT
+export SCALELAB_TRACKS="${SCALELAB_TRACKS:-$HUB_COURSE/tracks.toml}"
+export SCALELAB_HUB_VENV="$HUB_VENV" SCALELAB_COURSE="$HUB_COURSE" SCALELAB_HUB_STATE="$HUB_STATE"
+export SCALELAB_HUB_CONFIG_D="$HUB_CONFIG_D" SCALELAB_HUB_NBGRADER="$HUB_NBGRADER"
+exec "$HUB_VENV/bin/jupyterhub" -f "$project_root/containers/hub/jupyterhub_config.py"

@@ -1,0 +1,219 @@
+"""``scalelab class``: the accounts of a class on one server (``make hub``).
+
+The class is kept where the system keeps accounts: two Unix groups. JupyterHub admits their members and nobody else
+(``PAMAuthenticator.allowed_groups``) and puts the members of ``scalelab-instructors`` in its group ``instructors``
+at each login (containers/hub/jupyterhub_config.py), so a change here needs no restart of the Hub.
+"""
+
+from __future__ import annotations
+
+import argparse
+import grp
+import os
+import pwd
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROLE_GROUPS = {"student": "scalelab-students", "instructor": "scalelab-instructors"}
+HUB_INSTRUCTORS_GROUP = "instructors"
+# The grader's account, and names whose owner would have powers a student must not get.
+RESERVED_NAMES = {"root", "scalelab", "nobody", *ROLE_GROUPS.values()}
+# Portable POSIX user names, lowercase only: JupyterHub lowercases the name typed in its login form.
+VALID_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+PASSWORD_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # nothing that reads as another character
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NAME_TAKEN, EXIT_NOT_ROOT = 0, 1, 2, 3, 4
+
+
+class ClassError(Exception):
+    """A sentence for the person at the terminal, and the exit code that goes with it."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def check_name(name: str) -> None:
+    if not VALID_NAME.fullmatch(name):
+        raise ClassError(f"{name!r} is not a valid user name: use 1 to 32 lowercase letters, digits, '_' or '-', "
+                         "starting with a letter or '_'.", EXIT_BAD_INPUT)
+    if name in RESERVED_NAMES:
+        raise ClassError(f"{name!r} is reserved (the system or the grader uses it): choose another name.",
+                         EXIT_BAD_INPUT)
+
+
+def account(name: str) -> pwd.struct_passwd | None:
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        return None
+
+
+def group_exists(group: str) -> bool:
+    try:
+        grp.getgrnam(group)
+    except KeyError:
+        return False
+    return True
+
+
+def in_group(name: str, group: str) -> bool:
+    """Whether the account ``name`` belongs to ``group``, as its primary or a supplementary group."""
+    user = account(name)
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        return False
+    return user is not None and gid in os.getgrouplist(name, user.pw_gid)
+
+
+def role_of(name: str) -> str | None:
+    for role, group in ROLE_GROUPS.items():
+        if in_group(name, group):
+            return role
+    return None
+
+
+def members() -> list[tuple[str, str, bool]]:
+    """(name, role, whether the account exists) for everyone the class groups list, sorted by name."""
+    rows = []
+    for role, group in ROLE_GROUPS.items():
+        try:
+            names = grp.getgrnam(group).gr_mem
+        except KeyError:
+            continue
+        rows += [(name, role, account(name) is not None) for name in names]
+    return sorted(rows)
+
+
+def run(command: list[str], input_text: str | None = None) -> None:
+    result = subprocess.run(command, input=input_text, capture_output=True, text=True)
+    if result.returncode != 0:
+        said = (result.stderr or result.stdout).strip().splitlines()
+        raise ClassError(f"{command[0]} failed ({said[-1] if said else f'exit code {result.returncode}'}).",
+                         EXIT_FAILED)
+
+
+def ensure_group(group: str) -> None:
+    if not group_exists(group):
+        run(["groupadd", "--system", group])
+
+
+def generated_password() -> str:
+    return "-".join("".join(secrets.choice(PASSWORD_ALPHABET) for _ in range(4)) for _ in range(4))
+
+
+def add_member(name: str, role: str, password: str | None) -> str:
+    """Create the account ``name`` in the class with ``role``; returns what was done, in a sentence.
+    ``password`` None: a generated one is set and returned in the sentence."""
+    check_name(name)
+    if os.geteuid() != 0:
+        raise ClassError(f"scalelab class add-{role} must run as root (it creates a system account): "
+                         f"sudo scalelab class add-{role} {name}", EXIT_NOT_ROOT)
+    current = role_of(name)
+    if current == role:
+        return f"{name} is already a{'n' if role == 'instructor' else ''} {role} of the class: nothing changed."
+    if current is not None:
+        raise ClassError(f"{name} is already a{'n' if current == 'instructor' else ''} {current} of the class: "
+                         "one account has one role.", EXIT_NAME_TAKEN)
+    existing = account(name)
+    if existing is not None:
+        raise ClassError(f"the name {name} belongs to an account of this system that is not in the class "
+                         f"(uid {existing.pw_uid}): choose another name.", EXIT_NAME_TAKEN)
+    if group_exists(name):
+        raise ClassError(f"the name {name} belongs to a group of this system: choose another name.",
+                         EXIT_NAME_TAKEN)
+    if password is not None and (not password or "\n" in password or ":" in password):
+        raise ClassError("the password given on standard input is empty or holds a ':' or a line break.",
+                         EXIT_BAD_INPUT)
+
+    ensure_group(ROLE_GROUPS[role])
+    run(["useradd", "--create-home", "--user-group", "--shell", "/bin/bash", "--groups", ROLE_GROUPS[role],
+         "--comment", f"ScaleLab {role}", name])
+    try:
+        home = Path(pwd.getpwnam(name).pw_dir)
+        home.chmod(0o700)  # other students must not read each other's work
+        chosen = password if password is not None else generated_password()
+        run(["chpasswd"], input_text=f"{name}:{chosen}\n")
+    except BaseException:
+        subprocess.run(["userdel", "--remove", name], capture_output=True)
+        raise
+    done = f"added {role} {name} (home {home}, readable by {name} only)."
+    if password is None:
+        done += (f"\none-time password for {name}: {chosen}\n(shown only now; {name} can change it with `passwd` "
+                 "in a JupyterLab terminal)")
+    return done
+
+
+def copy_course(course: str | os.PathLike, destination: str | os.PathLike) -> list[str]:
+    """Copy every file of ``course`` that ``destination`` does not have yet; never touches an existing file, so a
+    student's work stays and labs released later still arrive. Run as the student (the Hub's pre-spawn hook):
+    their home is theirs, links in it included. Returns the files copied, relative to ``destination``."""
+    course, destination = Path(course), Path(destination)
+    copied = []
+    for source in sorted(course.rglob("*")):
+        relative = source.relative_to(course)
+        target = destination / relative
+        if source.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        elif not target.exists() and not target.is_symlink():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+            copied.append(str(relative))
+    return copied
+
+
+def add_command(role: str):
+    def command(args: argparse.Namespace) -> int:
+        password = None
+        if args.password_stdin:
+            password = sys.stdin.readline().rstrip("\n")
+        try:
+            print(add_member(args.name, role, password))
+        except ClassError as error:
+            print(f"scalelab class: {error}", file=sys.stderr)
+            return error.exit_code
+        return EXIT_OK
+    return command
+
+
+def list_command(args: argparse.Namespace) -> int:
+    rows = members()
+    if not rows:
+        print("nobody is in the class yet: sudo scalelab class add-student NAME")
+        return EXIT_OK
+    print(f"{'name':<33} {'role':<11} account")
+    for name, role, exists in rows:
+        print(f"{name:<33} {role:<11} {'exists' if exists else 'missing'}")
+    return EXIT_OK
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "class", help="the accounts of a class on one server (make hub), and its assessment scores in nbgrader",
+        description="Students and instructors of a class served by `make hub`, and the assessment's scores in "
+                    "nbgrader's gradebook. Exit codes: 0 done (or nothing to do); 1 a system tool failed; 2 a bad "
+                    "name or password; 3 the name is another account's or has the other role; 4 not root "
+                    "(gradebook: see its --help).")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+    for role in ROLE_GROUPS:
+        article = "an" if role == "instructor" else "a"
+        add = actions.add_parser(f"add-{role}", help=f"create the system account of {article} {role} (as root)")
+        add.add_argument("name", metavar="NAME")
+        add.add_argument("--password-stdin", action="store_true",
+                         help="read the password from the first line of standard input (default: print a generated "
+                              "one, once)")
+        add.set_defaults(func=add_command(role))
+    show = actions.add_parser("list", help="name, role and whether the account exists, for everyone in the class")
+    show.set_defaults(func=list_command)
+    from . import class_gradebook
+    class_gradebook.register(actions)
+
+
+if __name__ == "__main__":  # the Hub's pre-spawn hook: python -m scalelab.classroom COURSE DESTINATION
+    copy_course(sys.argv[1], sys.argv[2])

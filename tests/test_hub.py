@@ -1,0 +1,245 @@
+"""`make hub` and `scalelab class`: a real JupyterHub with PAM logins of real accounts, each student's JupyterLab
+running as that student, on their own copy of the course. As root (CI runs as root): the tests create system
+accounts, and remove them, their homes and their processes afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import secrets
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import PROJECT_ROOT
+from hubtools import HUB_VENV, accounts, hub, random_name, remove_account, scalelab_class, spawn  # noqa: F401
+
+# The first `make hub` on a machine installs the shared venv (Horovod is compiled unless .venv's wheel is kept).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+ARTIFACTS = PROJECT_ROOT / "tests" / "artifacts"
+
+
+@pytest.fixture(scope="module")
+def student_a_server(hub, accounts):
+    """Student A logged in and spawned, as a browser does: (session, the server's URL, its _xsrf token)."""
+    name = accounts["student_a"]
+    session, answer = hub.login(name, hub.passwords[name])
+    assert answer.status_code == 302 and answer.headers["Location"].endswith("/hub/spawn"), \
+        f"{answer.status_code} {answer.headers.get('Location')}\n{hub.log_text()}"
+    spawn_seconds = spawn(hub, session, name)
+    server = f"{hub.url}/user/{name}"
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / "hub-timings.json").write_text(json.dumps(
+        {"make_hub_to_answer_s": round(hub.start_seconds, 1), "student_spawn_to_lab_s": round(spawn_seconds, 2)}))
+    xsrf = session.cookies.get("_xsrf", path=f"/user/{name}/")
+    return session, server, {"X-XSRFToken": xsrf}
+
+
+def test_the_right_password_redirects_to_spawn_and_the_server_runs_as_the_student(hub, accounts, student_a_server):
+    name = accounts["student_a"]
+    account = pwd.getpwnam(name)
+    servers = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if "jupyterhub-singleuser" in " ".join(process.info["cmdline"] or []) and \
+                    process.environ().get("JUPYTERHUB_USER") == name:
+                servers.append(process)
+        except psutil.Error:
+            continue
+    assert servers, f"no jupyterhub-singleuser process for {name}"
+    for process in servers:
+        assert {process.uids().real, process.uids().effective} == {account.pw_uid}
+        assert {process.gids().real, process.gids().effective} == {account.pw_gid}
+        assert process.environ()["PATH"].startswith(f"{HUB_VENV}/bin:"), "kernels must find the venv's horovodrun"
+        assert process.cwd() == account.pw_dir
+
+
+def test_the_server_opens_on_the_students_own_copy_of_the_course(accounts, student_a_server):
+    session, server, headers = student_a_server
+    listing = session.get(f"{server}/api/contents/scalelab/labs", headers=headers, timeout=30)
+    assert listing.status_code == 200, listing.text
+    assert {entry["name"] for entry in listing.json()["content"]} >= {"lab1", "lab2", "lab3", "lab4", "lab5", "quiz"}
+    kernels = session.get(f"{server}/api/kernelspecs", headers=headers, timeout=30).json()["kernelspecs"]
+    assert "scalelab" in kernels, "the notebooks name the course's kernel"
+    home = Path(pwd.getpwnam(accounts["student_a"]).pw_dir)
+    course = home / "scalelab"
+    files = [path for path in course.rglob("*") if path.is_file()]
+    names = {str(path.relative_to(course)) for path in files}
+    assert {"assessment/assessment.py", "assessment/assessment.ipynb", "labs/lab1/lab1_gradient_descent.ipynb",
+            "labs/lab4/allreduce_bandwidth.py"} <= names
+    assert (course / "assessment" / "assessment.py").read_bytes() == \
+        (PROJECT_ROOT / "assessment" / "assessment.py").read_bytes(), "the serial script, not the solution"
+    for path in files:
+        assert "solution" not in str(path.relative_to(course)) and "source" not in path.parts
+        text = path.read_text(errors="replace")
+        assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text, f"{path} holds instructor material"
+        assert path.stat().st_uid == pwd.getpwnam(accounts["student_a"]).pw_uid
+
+
+def test_the_hubs_state_is_root_only_and_outside_the_checkout(hub, accounts):
+    assert hub.state.stat().st_mode & 0o777 == 0o700 and hub.state.stat().st_uid == 0
+    assert {"jupyterhub.sqlite", "jupyterhub_cookie_secret", "proxy_token"} <= {p.name for p in hub.state.iterdir()}
+    assert not list(PROJECT_ROOT.glob("jupyterhub*")) and not list(PROJECT_ROOT.glob("containers/hub/*.sqlite"))
+
+
+def test_a_new_start_of_the_server_keeps_the_students_work_and_restores_what_they_deleted(hub, accounts):
+    name = accounts["student_b"]
+    course = Path(pwd.getpwnam(name).pw_dir) / "scalelab"
+    session, answer = hub.login(name, hub.passwords[name])
+    assert answer.status_code == 302
+    spawn(hub, session, name)
+    edit = subprocess.run(["runuser", "-u", name, "--", "sh", "-c", f"echo '# my work' >> {course}/assessment/"
+                           f"assessment.py && rm {course}/labs/quiz/quiz.ipynb"], capture_output=True, text=True)
+    assert edit.returncode == 0, edit.stderr
+    stop = session.delete(f"{hub.url}/hub/api/users/{name}/server", timeout=60,
+                          headers={"X-XSRFToken": session.cookies.get("_xsrf", path="/hub/")})
+    assert stop.status_code in (202, 204), stop.text
+    deadline = time.monotonic() + 60
+    while session.get(f"{hub.url}/hub/api/user", timeout=30).json()["servers"]:
+        assert time.monotonic() < deadline, f"{name}'s server did not stop:\n{hub.log_text()}"
+        time.sleep(0.5)
+    spawn(hub, session, name)
+    assert (course / "assessment" / "assessment.py").read_text().endswith("# my work\n")
+    assert (course / "labs" / "quiz" / "quiz.ipynb").is_file()
+
+
+def test_a_wrong_password_is_refused(hub, accounts):
+    name = accounts["student_b"]
+    session, answer = hub.login(name, hub.passwords[name] + "x")
+    assert answer.status_code == 403
+    assert "jupyterhub-hub-login" not in session.cookies
+
+
+def test_an_account_outside_the_class_cannot_log_in(hub):
+    name, password = random_name("slo"), secrets.token_urlsafe(12)
+    try:
+        subprocess.run(["useradd", "--create-home", name], check=True)
+        subprocess.run(["chpasswd"], input=f"{name}:{password}\n", text=True, check=True)
+        _, answer = hub.login(name, password)
+        assert answer.status_code == 403, "only members of the class's groups may log in"
+    finally:
+        remove_account(name)
+
+
+def test_the_students_home_is_theirs_alone(accounts, student_a_server):
+    student_a, student_b = accounts["student_a"], accounts["student_b"]
+    home = Path(pwd.getpwnam(student_a).pw_dir)
+    assert home.stat().st_mode & 0o777 == 0o700 and home.stat().st_uid == pwd.getpwnam(student_a).pw_uid
+    script = home / "scalelab" / "assessment" / "assessment.py"
+    own = subprocess.run(["runuser", "-u", student_a, "--", "cat", str(script)], capture_output=True, text=True)
+    assert own.returncode == 0, own.stderr
+    other = subprocess.run(["runuser", "-u", student_b, "--", "cat", str(script)], capture_output=True, text=True)
+    assert other.returncode != 0 and "Permission denied" in other.stderr
+    listing = subprocess.run(["runuser", "-u", student_b, "--", "ls", str(home)], capture_output=True, text=True)
+    assert listing.returncode != 0 and "Permission denied" in listing.stderr
+
+
+def test_a_student_cannot_read_the_instructors_material_in_the_checkout(accounts, student_a_server):
+    for private in ("assessment/solution/assessment.py", "labs/source/lab1/lab1_gradient_descent.ipynb"):
+        attempt = subprocess.run(["runuser", "-u", accounts["student_a"], "--", "cat", str(PROJECT_ROOT / private)],
+                                 capture_output=True, text=True)
+        assert attempt.returncode != 0 and "Permission denied" in attempt.stderr, private
+
+
+def test_instructors_are_the_hub_group_instructors_and_nobody_is_admin(hub, accounts):
+    for key, groups in (("instructor", ["instructors"]), ("student_b", [])):
+        name = accounts[key]
+        session, answer = hub.login(name, hub.passwords[name])
+        assert answer.status_code == 302, hub.log_text()
+        model = session.get(f"{hub.url}/hub/api/user", timeout=30).json()
+        assert model["name"] == name and model["groups"] == groups and model["admin"] is False
+
+
+def test_adding_a_student_again_says_so_and_changes_nothing(accounts):
+    name = accounts["student_b"]
+    shadow_before = Path("/etc/shadow").read_text()
+    again = scalelab_class("add-student", name, "--password-stdin", password="another-password")
+    assert again.returncode == 0
+    assert f"{name} is already a student of the class: nothing changed." in again.stdout
+    assert Path("/etc/shadow").read_text() == shadow_before
+
+
+def test_a_student_is_not_made_an_instructor_too(accounts):
+    name = accounts["student_b"]
+    attempt = scalelab_class("add-instructor", name)
+    assert attempt.returncode == 3 and f"{name} is already a student of the class" in attempt.stderr
+    assert "scalelab-instructors" not in subprocess.run(["id", "-nG", name], capture_output=True, text=True).stdout
+
+
+@pytest.mark.parametrize("name", ["Alice", "1st", "two words", "a.b", "café", "a" * 33, "root", "scalelab"])
+def test_a_bad_name_is_refused_with_a_sentence(accounts, name):
+    attempt = scalelab_class("add-student", name, "--password-stdin", password="some-password")
+    assert attempt.returncode == 2
+    assert attempt.stderr.startswith("scalelab class: ") and ("not a valid user name" in attempt.stderr
+                                                             or "is reserved" in attempt.stderr)
+    if name not in ("root", "scalelab"):
+        assert name not in {entry.pw_name for entry in pwd.getpwall()}
+
+
+def test_the_name_of_a_system_account_outside_the_class_is_refused(accounts):
+    attempt = scalelab_class("add-student", "daemon", "--password-stdin", password="some-password")
+    assert attempt.returncode == 3 and "belongs to an account of this system that is not in the class" in attempt.stderr
+    assert "scalelab-students" not in subprocess.run(["id", "-nG", "daemon"], capture_output=True, text=True).stdout
+
+
+def test_adding_someone_is_refused_to_a_user_who_is_not_root(accounts):
+    name = random_name("sln")
+    attempt = scalelab_class("add-student", name, "--password-stdin", password="some-password", as_user="nobody")
+    assert attempt.returncode == 4 and "must run as root" in attempt.stderr, attempt.stderr
+    assert name not in {entry.pw_name for entry in pwd.getpwall()}
+
+
+def test_class_list_gives_name_role_and_whether_the_account_exists(accounts):
+    listing = scalelab_class("list")
+    assert listing.returncode == 0
+    rows = {line.split()[0]: line.split()[1:] for line in listing.stdout.splitlines()[1:]}
+    assert rows[accounts["student_a"]] == ["student", "exists"]
+    assert rows[accounts["student_b"]] == ["student", "exists"]
+    assert rows[accounts["instructor"]] == ["instructor", "exists"]
+
+
+def test_make_hub_with_its_port_in_use_stops_with_a_sentence():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        sentence = f"make hub: port {port} on 127.0.0.1 is already in use; stop what listens there or set " \
+                   "HUB_PORT to a free port."
+        through_make = subprocess.run(["make", "hub", f"HUB_PORT={port}"], cwd=PROJECT_ROOT, capture_output=True,
+                                      text=True, timeout=120)
+        assert through_make.returncode != 0 and sentence in through_make.stderr, through_make.stderr
+        script = subprocess.run([str(PROJECT_ROOT / "containers" / "hub" / "hub.sh")], capture_output=True,
+                                text=True, timeout=120, env={**os.environ, "HUB_PORT": str(port)})
+        assert script.returncode == 3 and script.stderr.strip() == sentence
+
+
+@pytest.mark.parametrize("loose", ["group-writable fragment", "fragment of another account"])
+def test_a_site_fragment_another_account_could_change_stops_the_hub_before_it_serves(tmp_path, loose):
+    """The Hub runs HUB_CONFIG_D's files as root: one that someone else could write is refused, and nothing runs."""
+    from hubtools import free_port
+
+    config_d = tmp_path / "hub.d"
+    config_d.mkdir(mode=0o755)
+    proof = tmp_path / "ran"
+    fragment = config_d / "50-site.py"
+    fragment.write_text(f"open({str(proof)!r}, 'w').close()\n")
+    if loose == "group-writable fragment":
+        fragment.chmod(0o664)
+    else:
+        os.chown(fragment, pwd.getpwnam("nobody").pw_uid, -1)
+    port = free_port()
+    started = subprocess.run(
+        ["make", "hub", f"HUB_PORT={port}", f"HUB_PROXY_API_PORT={free_port()}", f"HUB_INTERNAL_PORT={free_port()}",
+         f"HUB_STATE={tmp_path / 'state'}", f"HUB_NBGRADER={tmp_path / 'nbgrader'}", f"HUB_CONFIG_D={config_d}"],
+        cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "SCALELAB_SERVICE_STATE": str(tmp_path / "service"),
+             "SCALELAB_SERVICE_PORT": str(free_port())})
+    assert started.returncode != 0
+    assert f"{fragment} is not root's alone" in started.stdout + started.stderr, started.stderr[-3000:]
+    assert not proof.exists()

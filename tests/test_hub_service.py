@@ -1,0 +1,315 @@
+"""The grader as JupyterHub's managed service (grader/service/hub.py) behind a real Hub and its real proxy.
+
+The Hub, its service and the students' real system accounts come from tests/hubtools.py (removed afterwards,
+whatever happened). Submissions are the fast ones of tests/submissions on the short test track.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pwd
+import re
+import secrets
+import shutil
+import stat
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from hubtools import FAST_SUBMISSION, SLEEPING_SUBMISSION, free_port, run, running_hub
+
+from scalelab.grader import panel
+from scalelab.grader.pipeline import SUBMISSION_SIZE_LIMIT_BYTES
+from scalelab.grader.serve import JOB_FIELDS_FOR_STUDENTS, VERDICT_FIELDS_FOR_STUDENTS
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+# What a student sees of a job: the single-user service's public view, field for field.
+JOB_VIEW_FIELDS = {*JOB_FIELDS_FOR_STUDENTS, "time_budget_s", "position", "progress", "progress_history", "verdict"}
+
+
+@pytest.fixture(scope="module")
+def hub():
+    """A Hub with the service on free ports, three students A, B and C, until the module's tests are done."""
+    with running_hub(student_roles=("A", "B", "C")) as running:
+        yield running
+
+
+# --- who runs it, and who may use it ------------------------------------------------------------------------------
+
+def test_the_service_runs_as_scalelab_with_its_state_private_to_it(hub):
+    scalelab = pwd.getpwnam("scalelab")
+    [service] = hub.service_processes()
+    assert os.stat(f"/proc/{service.pid}").st_uid == scalelab.pw_uid
+    assert service.uids().real == service.uids().effective == scalelab.pw_uid
+    state = hub.state.stat()
+    assert (state.st_uid, stat.S_IMODE(state.st_mode)) == (scalelab.pw_uid, 0o700)
+    environment = service.environ()
+    assert not any(name.startswith("CONFIGPROXY") for name in environment), "the proxy's token leaked"
+    for name in ("assess/queue.db", "logs/service.log", "cookie_secret",
+                 "data/fashion-mnist/t10k-labels-idx1-ubyte.gz"):
+        assert (hub.state / name).exists(), name
+    # A student's account cannot read it.
+    student = hub.students["A"]
+    peek = run("runuser", "-u", student, "--", "ls", str(hub.state), cwd="/")
+    assert peek.returncode != 0 and "Permission denied" in peek.stderr
+
+
+def test_a_submission_sent_as_content_gets_the_same_verdict_json_as_the_single_user_service(hub):
+    student = hub.students["A"]
+    info = hub.api("GET", "service", hub.tokens[student]).json()
+    assert (info["student"], info["track"]) == (student, "fashion-mnist-test")
+    answer = hub.submit(student, FAST_SUBMISSION.read_text())
+    assert answer.status_code == 201, answer.text
+    submitted = answer.json()
+    assert submitted["created"] is True and set(submitted["job"]) == JOB_VIEW_FIELDS
+    job = hub.wait_for_job(student, submitted["job"]["id"])
+    assert job["state"] == "done" and set(job) == JOB_VIEW_FIELDS
+    assert job["student"] == student
+    verdict = job["verdict"]
+    assert verdict["verdict"] == "fail"
+    assert {"verdict", "reasons", "track", "submission_sha256", "student"} <= set(verdict) <= set(
+        VERDICT_FIELDS_FOR_STUDENTS)
+    assert "not valid Python" in " ".join(verdict["reasons"])
+    history = hub.api("GET", "assessments", hub.tokens[student]).json()
+    assert history["student"] == student and [item["id"] for item in history["assessments"]] == [job["id"]]
+
+
+def test_requests_without_a_token_or_with_one_the_hub_does_not_accept_are_refused(hub):
+    for method in ("GET", "POST"):
+        anonymous = hub.api(method, "assessments")
+        assert anonymous.status_code == 401 and "Log in to JupyterHub" in anonymous.json()["message"]
+    assert hub.api("GET", "service", token=secrets.token_hex(16)).status_code == 403
+    # A real token of the student's, but without access to this service.
+    student = hub.students["A"]
+    narrow = hub.admin("POST", f"users/{student}/tokens", json={"scopes": ["read:users:name!user"]}).json()["token"]
+    assert hub.api("GET", "assessments", token=narrow).status_code == 403
+    # The name in a request counts for nothing: the token's owner is the student.
+    other = hub.students["B"]
+    answer = hub.api("GET", f"assessments?student={other}", hub.tokens[student], headers={"X-Student": other})
+    assert answer.json()["student"] == student
+
+
+def test_a_browser_logged_in_to_the_hub_is_the_student_through_the_services_oauth_cookie(hub):
+    student = hub.students["A"]
+    browser = requests.Session()
+    assert browser.get(f"{hub.url}/hub/login", timeout=30).status_code == 200
+    login = browser.post(f"{hub.url}/hub/login", allow_redirects=False, timeout=60, data={
+        "username": student, "password": hub.passwords[student], "_xsrf": browser.cookies.get("_xsrf", path="/hub/")})
+    assert login.status_code == 302, login.text
+    page = browser.get(hub.service_url, timeout=60)  # the service → the Hub's OAuth → the service's callback
+    assert page.status_code == 200 and f"signed in as <b>{student}</b>" in page.text
+    assert any(step.url.startswith(f"{hub.url}/hub/api/oauth2/authorize") for step in page.history)
+    info = browser.get(f"{hub.service_url}api/service", timeout=60)
+    assert info.status_code == 200 and info.json()["student"] == student
+    # The cookie alone does not submit: a cross-site form could send it, so a POST needs the xsrf token too.
+    before = hub.api("GET", "assessments", hub.tokens[student]).json()["assessments"]
+    forged = browser.post(f"{hub.service_url}api/assessments", data=b"print(1)\n", timeout=60)
+    assert forged.status_code == 403
+    assert hub.api("GET", "assessments", hub.tokens[student]).json()["assessments"] == before
+
+
+def test_another_students_job_does_not_exist_for_a_student(hub):
+    owner, other = hub.students["A"], hub.students["B"]
+    [job] = hub.api("GET", "assessments", hub.tokens[owner]).json()["assessments"]
+    answer = hub.api("GET", f"assessments/{job['id']}", hub.tokens[other])
+    assert answer.status_code == 404 and "There is no assessment" in answer.json()["message"]
+    assert hub.api("GET", "assessments/99999999999999999999", hub.tokens[other]).status_code == 404
+    assert hub.api("GET", "assessments", hub.tokens[other]).json()["assessments"] == []
+
+
+def test_an_oversized_or_non_utf8_script_is_refused_with_a_sentence_and_queues_nothing(hub):
+    student = hub.students["B"]
+    token = hub.tokens[student]
+    too_big = b"#" * (SUBMISSION_SIZE_LIMIT_BYTES + 1)
+    raw = hub.api("POST", "assessments", token, data=too_big, headers={"Content-Type": "text/x-python"})
+    assert raw.status_code == 413 and f"over the {SUBMISSION_SIZE_LIMIT_BYTES} byte limit" in raw.json()["message"]
+    as_json = hub.api("POST", "assessments", token, json={"source": too_big.decode(), "filename": "assessment.py"})
+    assert as_json.status_code == 413 and "byte limit" in as_json.json()["message"]
+    latin1 = "print('caf\u00e9')\n".encode("latin-1")
+    raw = hub.api("POST", "assessments", token, data=latin1, headers={"Content-Type": "text/x-python"})
+    assert raw.status_code == 400 and "not UTF-8" in raw.json()["message"]
+    in_json = b'{"source": "print(\'caf\xe9\')", "filename": "assessment.py"}'
+    answer = hub.api("POST", "assessments", token, data=in_json, headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400 and "not UTF-8" in answer.json()["message"]
+    surrogate = hub.api("POST", "assessments", token, data=b'{"source": "x = 1  # \\ud800"}',
+                        headers={"Content-Type": "application/json"})
+    assert surrogate.status_code == 400 and "not UTF-8" in surrogate.json()["message"]
+    bad_name = hub.api("POST", "assessments", token, json={"source": "x = 1\n", "filename": "../../etc/passwd"})
+    assert bad_name.status_code == 400 and "file name" in bad_name.json()["message"]
+    assert hub.api("GET", "assessments", token).json()["assessments"] == []
+
+
+def test_two_submissions_at_once_make_one_active_job(hub):
+    student = hub.students["B"]
+    answers = []
+    barrier = threading.Barrier(2)
+
+    def submit():
+        barrier.wait()
+        answers.append(hub.submit(student, FAST_SUBMISSION.read_text()))
+
+    threads = [threading.Thread(target=submit) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(answer.status_code for answer in answers) == [200, 201], [a.text for a in answers]
+    assert len({answer.json()["job"]["id"] for answer in answers}) == 1
+    job = hub.wait_for_job(student, answers[0].json()["job"]["id"])
+    assert job["verdict"]["verdict"] == "fail"
+    assert len(hub.api("GET", "assessments", hub.tokens[student]).json()["assessments"]) == 1
+
+
+# --- graded runs cannot reach the service's state -----------------------------------------------------------------
+
+def test_a_graded_run_cannot_read_the_service_state_and_its_verdict_still_arrives(hub):
+    student, other = hub.students["C"], hub.students["A"]
+    state = hub.state
+    absent = [state / "results.db", state / "assess" / "queue.db", state / "assess" / "jobs",
+              state / "data" / "fashion-mnist" / "t10k-labels-idx1-ubyte.gz", state / "cookie_secret",
+              state / "logs" / "service.log", state / "runs", hub.homes[other], pwd.getpwnam("scalelab").pw_dir]
+    # The run's own job directory lies in the state (state/jobs/<id>): the sandbox shows only the path to it.
+    source = textwrap.dedent(f"""
+        import os
+        found = []
+        for path in {[str(p) for p in [state, state / "jobs", *absent]]!r}:
+            try:
+                if os.path.isdir(path):
+                    listing = sorted(os.listdir(path))
+                    found.append("OWN JOB" if listing == [os.path.basename(os.getcwd())] else f"DIR {{listing}}")
+                else:
+                    open(path, "rb").close()
+                    found.append("SEEN")
+            except OSError as error:
+                found.append("ABSENT " + type(error).__name__)
+        raise RuntimeError("peek: " + "; ".join(found))
+        """)
+    answer = hub.submit(student, source)
+    assert answer.status_code == 201, answer.text
+    job = hub.wait_for_job(student, answer.json()["job"]["id"])
+    verdict = job["verdict"]
+    assert verdict["verdict"] == "fail" and verdict["sandboxed"] is True
+    reasons = "\n".join(verdict["reasons"])
+    peeked = re.search(r"RuntimeError: peek: (.*)", reasons)
+    assert peeked, reasons
+    assert peeked.group(1).split("; ") == ["DIR ['jobs']", "OWN JOB"] + ["ABSENT FileNotFoundError"] * len(absent)
+    # The paths are real: the service's account keeps its queue, results and data there.
+    for path in absent[:6]:
+        assert path.exists(), path
+    assert (state / "results.db").stat().st_mtime >= time.time() - 600  # this very verdict was stored there
+
+
+# --- the Assess panel in a Hub user's kernel ------------------------------------------------------------------------
+
+@pytest.fixture
+def kernel_of(monkeypatch, tmp_path):
+    """This process as a kernel of ``student``'s server: the Hub's variables, the notebook's folder as cwd."""
+    def become(hub, student: str, script: Path | None = FAST_SUBMISSION) -> Path:
+        monkeypatch.setenv("JUPYTERHUB_API_TOKEN", hub.tokens[student])
+        monkeypatch.setenv("JUPYTERHUB_SERVICE_PREFIX", f"/user/{student}/")
+        monkeypatch.setenv("SCALELAB_ASSESS_SERVICE_URL", hub.service_url)
+        monkeypatch.delenv("SCALELAB_ASSESS_URL", raising=False)
+        monkeypatch.chdir(tmp_path)
+        if script is not None:
+            shutil.copy(script, tmp_path / "assessment.py")
+        return tmp_path
+    return become
+
+
+def test_the_panel_under_jupyterhub_sends_the_script_and_shows_the_verdict(hub, kernel_of):
+    student = hub.students["C"]
+    folder = kernel_of(hub, student)
+    client = panel.AssessClient.for_this_notebook()
+    assert client.hub and client.base_url == hub.service_url
+    assessment = panel.AssessPanel(poll_interval_s=0.5)
+    deadline = time.monotonic() + 60
+    while not assessment.service_info and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert assessment.service_info["student"] == student, assessment.error.value
+    earlier = {job["id"] for job in hub.api("GET", "assessments", hub.tokens[student]).json()["assessments"]}
+    assessment.button.click()
+    deadline = time.monotonic() + 240
+
+    def shown_verdict_of_a_new_job() -> bool:
+        shown = re.search(r"Assessment (\d+): done\. Verdict: FAIL", assessment.status.value)
+        return bool(shown) and int(shown.group(1)) not in earlier
+
+    while not shown_verdict_of_a_new_job() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert shown_verdict_of_a_new_job(), (assessment.status.value, assessment.error.value)
+    assert "not valid Python" in assessment.verdict.value
+    [latest, *_] = hub.api("GET", "assessments", hub.tokens[student]).json()["assessments"]
+    assert latest["submission_sha256"] == hashlib.sha256((folder / "assessment.py").read_bytes()).hexdigest()
+    (folder / "assessment.py").unlink()
+    with pytest.raises(panel.ServiceError, match="There is no assessment.py to assess"):
+        client.submit()
+
+
+def test_the_panel_says_in_a_sentence_when_the_hub_has_no_such_service_or_it_does_not_answer(hub, kernel_of):
+    kernel_of(hub, hub.students["C"])
+    with pytest.raises(panel.ServiceError, match="not running right now"):
+        panel.AssessClient(f"http://127.0.0.1:{free_port()}/services/scalelab/", hub.tokens[hub.students["C"]],
+                           api_prefix=panel.HUB_API_PREFIX, submission_file=Path("assessment.py")).service()
+    with pytest.raises(panel.ServiceError, match="runs no Assess service"):
+        panel.AssessClient(f"{hub.url}/services/nothing-here/", hub.tokens[hub.students["C"]],
+                           api_prefix=panel.HUB_API_PREFIX, submission_file=Path("assessment.py")).service()
+    with pytest.raises(panel.ServiceError, match="did not accept this kernel's JupyterHub token"):
+        panel.AssessClient(hub.service_url, "not-a-token", api_prefix=panel.HUB_API_PREFIX,
+                           submission_file=Path("assessment.py")).service()
+
+
+# --- the Hub restarts it, and nothing is lost ----------------------------------------------------------------------
+
+def test_killing_the_service_the_hub_restarts_it_the_queued_job_runs_and_the_running_one_is_interrupted(
+        hub, kernel_of):
+    running_student, queued_student = hub.students["A"], hub.students["B"]
+    running = hub.submit(running_student, SLEEPING_SUBMISSION.read_text())
+    assert running.status_code == 201, running.text
+    running_id = running.json()["job"]["id"]
+    hub.wait_for_job(running_student, running_id, states=("running",), timeout_s=120)
+    queued = hub.submit(queued_student, FAST_SUBMISSION.read_text())
+    assert queued.status_code == 201 and queued.json()["job"]["state"] == "queued", queued.text
+    [service] = hub.service_processes()
+    deadline = time.monotonic() + 60
+    while not (graders := [process for process in psutil.process_iter(["cmdline"])
+                           if "assess" in (process.info["cmdline"] or [])
+                           and str(hub.state) in " ".join(process.info["cmdline"])]):
+        assert time.monotonic() < deadline, "the running job's grader was not found"
+        time.sleep(0.5)
+    assert not any(name.startswith("JUPYTERHUB_") for name in graders[0].environ()), "the Hub's token leaked"
+    service.kill()
+    service.wait(timeout=30)
+
+    # Until the Hub has started it again, the panel says so in a sentence.
+    kernel_of(hub, hub.students["C"])
+    with pytest.raises(panel.ServiceError, match="not running right now"):
+        panel.AssessClient.for_this_notebook().service()
+
+    deadline = time.monotonic() + 180
+    while True:
+        restarted = [process for process in hub.service_processes() if process.pid != service.pid]
+        if restarted:
+            try:
+                if hub.api("GET", "service", hub.tokens[queued_student]).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"the Hub did not restart the service within 180 s:\n{hub.log_text()}")
+        time.sleep(1)
+    assert restarted[0].uids().real == pwd.getpwnam("scalelab").pw_uid
+    interrupted = hub.wait_for_job(running_student, running_id)
+    assert interrupted["state"] == "interrupted"
+    assert "Interrupted: the course's grader service stopped while this assessment was running" in interrupted["reason"]
+    assert interrupted["verdict"] is None
+    done = hub.wait_for_job(queued_student, queued.json()["job"]["id"])
+    assert done["state"] == "done" and done["verdict"]["verdict"] == "fail"
+    still = [grader for grader in graders if grader.is_running() and grader.status() != psutil.STATUS_ZOMBIE]
+    assert not still, "the interrupted job's grader still runs"
