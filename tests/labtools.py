@@ -217,3 +217,31 @@ def grade_exercise(notebook_path: Path, solution_id: str, tests_id: str, setup: 
     outcomes = json.loads((workdir / "results.json").read_text())
     return {name: {"graded": outcomes[f"{name} [graded]"], "visible": outcomes[f"{name} [visible]"]}
             for name in solutions}
+
+
+class Wrong(NamedTuple):
+    """A plausible wrong solution of a graded exercise, for :func:`assert_rejected`."""
+
+    bodies: tuple        # the solution regions' code, in order; None keeps the reference for that region
+    caught_by: str       # "hidden" or "visible"
+    message: str         # a fragment of the assertion message that must explain the mistake
+
+
+def assert_rejected(notebook_path: Path, solution_id: str, tests_id: str, setup: str, wrong: dict[str, Wrong],
+                    workdir: Path) -> None:
+    """The graded test cell passes the reference solution and rejects each wrong one: a mistake marked "hidden"
+    passes the visible checks and is caught by the hidden tests with its message; one marked "visible" already
+    fails the visible checks."""
+    solutions = {"reference": (None,) * len(next(iter(wrong.values())).bodies)}
+    solutions.update({name: mistake.bodies for name, mistake in wrong.items()})
+    outcomes = grade_exercise(notebook_path, solution_id, tests_id, setup, solutions, workdir)
+
+    assert outcomes["reference"] == {"graded": None, "visible": None}
+    for name, mistake in wrong.items():
+        graded, visible = outcomes[name]["graded"], outcomes[name]["visible"]
+        assert graded is not None and graded.startswith("AssertionError"), f"{name!r} was not rejected: {graded}"
+        if mistake.caught_by == "hidden":
+            assert visible is None, f"{name!r} already fails the visible checks: {visible}"
+            assert mistake.message in graded, f"{name!r} was rejected for another reason: {graded}"
+        else:
+            assert visible is not None and visible.startswith("AssertionError"), name

@@ -64,7 +64,8 @@ def test_the_server_opens_on_the_students_own_copy_of_the_course(accounts, stude
     session, server, headers = student_a_server
     listing = session.get(f"{server}/api/contents/scalelab/labs", headers=headers, timeout=30)
     assert listing.status_code == 200, listing.text
-    assert {entry["name"] for entry in listing.json()["content"]} >= {"lab1", "lab2", "lab3", "lab4", "lab5", "quiz"}
+    assert {entry["name"] for entry in listing.json()["content"]} >= {"lab1", "lab2", "lab3", "lab4", "lab5", "lab6",
+                                                                       "quiz"}
     kernels = session.get(f"{server}/api/kernelspecs", headers=headers, timeout=30).json()["kernelspecs"]
     assert "scalelab" in kernels, "the notebooks name the course's kernel"
     home = Path(pwd.getpwnam(accounts["student_a"]).pw_dir)

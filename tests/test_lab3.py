@@ -1,61 +1,96 @@
-"""Lab 3 (Horovod step by step): the solved notebook runs end to end with small settings, and nbgrader's
-student release keeps the exercises unsolved (validation fails) while the solved source validates."""
+"""Lab 3 (Horovod step by step, the student converts the script): the solved notebook runs end to end with small
+settings next to a converted `fashion_mnist_student.py` (the instructor's, `source_code/fashion_mnist_horovod.py`),
+its graded two-rank run really happens, and nbgrader's student release ships the FIXME script and keeps the
+exercises unsolved (validation fails) while the solved source validates."""
 
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 
 import labtools
+from conftest import PROJECT_ROOT
 from labtools import LABS, execute, outputs_of, validate
+from scalelab import horovod_checks
 
-SOURCE_NOTEBOOK = LABS / "source" / "lab3" / "lab3_horovod.ipynb"
+LAB_FOLDER = LABS / "source" / "lab3"
+SOURCE_NOTEBOOK = LAB_FOLDER / "lab3_horovod.ipynb"
+STUDENT_SCRIPT_NAME = "fashion_mnist_student.py"
+SOLUTION_SCRIPT = PROJECT_ROOT / "source_code" / "fashion_mnist_horovod.py"
 SMALL_SETTINGS = dict(STEP_EPOCHS=1, STEP_TRAIN_IMAGES=512, VAL_IMAGES=256, SWEEP_EPOCHS=2,
                       SWEEP_TRAIN_IMAGES=1024, NP_LIST=[1, 2], CONTROLLER="--gloo")
+# The exercises and the conversion checks: 5 + 6 points and 9 + 3 points.
+GRADED_CELLS, POINTS = 15, 18
 
 pytestmark = pytest.mark.slow
 
 
+def solved_lab_folder(parent):
+    """A copy of the lab's folder where the student's script is the instructor's conversion."""
+    folder = parent / "lab3"
+    shutil.copytree(LAB_FOLDER, folder)
+    shutil.copy(SOLUTION_SCRIPT, folder / STUDENT_SCRIPT_NAME)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def executed_lab3(tmp_path_factory):
-    return execute(SOURCE_NOTEBOOK, tmp_path_factory.mktemp("lab3"), SMALL_SETTINGS)
+    # The notebook runs in (a copy of) its own folder, as a student's does: the script it grades is there.
+    folder = solved_lab_folder(tmp_path_factory.mktemp("lab3"))
+    return execute(folder / SOURCE_NOTEBOOK.name, folder, SMALL_SETTINGS)
 
 
 def test_lab3_source_is_committed_without_outputs_and_with_a_parameters_cell():
     labtools.check_committed_source(SOURCE_NOTEBOOK, SMALL_SETTINGS)
 
 
-def test_lab3_runs_every_step_under_horovodrun_without_errors(executed_lab3):
+def test_lab3_runs_the_students_script_under_horovodrun_without_errors(executed_lab3):
     outputs = outputs_of(executed_lab3)
     assert outputs.errors == []
     text = outputs.text
-    for script in ("step1_init.py", "step2_pin_device.py", "step3_rank0_output.py", "step4_distributed_optimizer.py",
-                   "step5_broadcast.py", "step6_partition_data.py", "step7_metric_average.py",
-                   "fashion_mnist_horovod.py"):
-        assert f"+++ {script}" in text, f"the diff of {script} is not shown"
-        assert f"python {script} " in text, f"{script} did not run under horovodrun"
-    assert "--data-partition shard" in text and "--data-partition shuffle" in text
+    assert f"python {STUDENT_SCRIPT_NAME} " in text, "the student's script did not run under horovodrun"
+    assert "$ horovodrun -np 2 --gloo" in text
+    # The worked solution is released after the lab: the notebook neither diffs nor runs the step files.
+    assert "step1_init.py" not in text
 
 
-def test_lab3_shows_what_each_horovod_step_changes(executed_lab3):
+def test_lab3_shows_rank0_output_identical_weights_and_a_checkpoint(executed_lab3):
     text = outputs_of(executed_lab3).text
-    # Before step 3 both ranks print; from step 3 on only rank 0.
-    assert re.search(r"^\[1\] epoch 1/1 ", text, re.MULTILINE)
     assert "ranks that printed epoch lines: ['[0]']" in text
-    # Step 4 alone leaves different initial weights; the broadcast (step 5) makes the ranks agree.
-    assert re.findall(r"same final weights on both ranks: (\w+)", text) == ["False", "True", "True"]
+    # The step-5 run and the `!horovodrun` run of the finished script.
+    assert re.findall(r"same final weights on both ranks: (\w+)", text) == ["True", "True"]
     assert "checkpoint written: True" in text
+
+
+def test_lab3_grades_a_real_two_rank_run_of_the_students_script(executed_lab3):
+    text = outputs_of(executed_lab3).text
+    assert re.search(r"graded two-rank run: ranks \[0, 1\] ended with the same weights \(sha256 [0-9a-f]{16}\)", text)
 
 
 def test_lab3_fills_the_scaling_efficiency_table_from_real_runs(executed_lab3):
     html = outputs_of(executed_lab3).html
-    tables = [fragment for fragment in html if "scaling efficiency" in fragment]
+    tables = [fragment for fragment in html if "<th>scaling efficiency</th>" in fragment]
     assert len(tables) == 1
     rows = re.findall(r"<tr><td>(\d+)</td><td>(\d+)</td><td>([\d.]+)</td><td>([\d.]+)</td></tr>", tables[0])
     assert [row[0] for row in rows] == ["1", "2"]
     assert all(int(row[1]) > 0 for row in rows)
     assert rows[0][3] == "1.00" and 0 < float(rows[1][3]) <= 1.5
+
+
+def test_lab3_shows_recorded_tables_and_plots_labelled_as_recorded(executed_lab3):
+    outputs = outputs_of(executed_lab3)
+    recorded = [fragment for fragment in outputs.html if "<caption>recorded" in fragment]
+    assert len(recorded) == 2, "the recorded scaling (CPU and GPU) and the recorded full run"
+    cpu = re.findall(r"<tr><td>2 CPU cores \(this course\)</td><td>FP32</td><td>(\d)</td><td>(\d+)</td>"
+                     r"<td>([\d.]+)</td>", recorded[0])
+    assert [row[0] for row in cpu] == ["1", "2"] and cpu[0][2] == "1.00" and all(int(row[1]) > 0 for row in cpu)
+    gpu = re.findall(r"<tr><td>DGX-1 \(8x V100 16GB\)</td><td>FP32 \+ XLA</td><td>(\d)</td><td>([\d,]+)</td>"
+                     r"<td>([\d.]+)</td>", recorded[0])
+    assert gpu == [("1", "412", "1.00"), ("8", "3,170", "0.96")]          # 3170 / (8 x 412)
+    assert recorded[1].count("<tr><td>") >= 2, "the recorded full run's epochs"
+    assert outputs.images >= 2, "the scaling-efficiency plot and the full run's curves"
 
 
 def test_lab3_gpu_section_runs_nvidia_smi_or_shows_the_recorded_example(executed_lab3):
@@ -68,14 +103,22 @@ def released_course(tmp_path_factory):
     return labtools.released_course(tmp_path_factory, "lab3")
 
 
-def test_lab3_release_has_no_solutions_and_its_exercises_fail_validation(released_course):
-    released = released_course / "release" / "lab3" / "lab3_horovod.ipynb"
-    text = released.read_text()
+def test_lab3_release_ships_the_fixme_script_has_no_solutions_and_its_checks_fail_validation(released_course):
+    released = released_course / "release" / "lab3"
+    script = released / STUDENT_SCRIPT_NAME
+    assert script.read_bytes() == (LAB_FOLDER / STUDENT_SCRIPT_NAME).read_bytes()
+    assert script.read_text().count("FIXME(Horovod)") >= 9
+    assert horovod_checks.problems(script, "init", thorough=False), "the released script is not converted yet"
+    text = (released / "lab3_horovod.ipynb").read_text()
     assert "### BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
+    assert "check_two_ranks" not in text, "the graded run is a hidden test"
     assert "raise NotImplementedError" in text
-    results = validate(released)
-    assert len(results.get("failed", [])) == 5, results.keys()
+    results = validate(released / "lab3_horovod.ipynb")
+    # Every exercise and every conversion check fails on the unsolved notebook and the FIXME script.
+    assert len(results.get("failed", [])) == GRADED_CELLS, results.keys()
 
 
 def test_lab3_solved_source_passes_validation(released_course):
-    assert validate(released_course / "source" / "lab3" / "lab3_horovod.ipynb") == {}
+    source = released_course / "source" / "lab3"
+    shutil.copy(SOLUTION_SCRIPT, source / STUDENT_SCRIPT_NAME)
+    assert validate(source / "lab3_horovod.ipynb") == {}

@@ -1,6 +1,7 @@
 """Lab 4 (communication): the α-β cost models of scalelab.comm, the solved notebook run end to end with small
-settings (a real `horovodrun` allreduce sweep included), its quiz feedback, and nbgrader's student release
-failing validation while the solved source passes."""
+settings (a real `horovodrun` allreduce sweep included, the allreduce pictures, the scaling prediction next to the
+recorded GPU runs and its sliders), its quiz feedback, and nbgrader's student release failing validation while the
+solved source passes."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import nbformat
 import numpy as np
 import pytest
 from nbclient.exceptions import CellExecutionError
+from nbformat.v4 import new_code_cell
 
 import labtools
-from labtools import LABS, execute, outputs_of, run_quiz, validate
+from labtools import LABS, code_cell_containing, execute, outputs_of, run_quiz, validate
 from scalelab import comm
 
 LAB_FOLDER = LABS / "source" / "lab4"
@@ -60,11 +62,25 @@ def test_fit_alpha_beta_recovers_the_parameters_of_ring_times():
 
 # ------------------------------------------------------------------ the notebook (slow)
 
+# Appended to a copy of the notebook: moves the prediction's sliders to the GPU cluster's figures as a student's
+# browser does (a change of each slider's `value`), after the explorer was drawn with this machine's figures.
+MOVE_THE_SLIDERS = """
+sliders = {control.description: control for control in explorer.kwargs_widgets}
+for name, value in (("t₀ (ms)", 30), ("t_image (ms)", 2.5), ("batch/rank", 128), ("model (MB)", 102.4),
+                    ("α (µs)", 5), ("1/β (GB/s)", 12.5)):
+    sliders[name].value = value
+"""
+
+
 @pytest.fixture(scope="module")
 def executed_lab4(tmp_path_factory):
-    # The notebook runs in (a copy of) its own folder, as a student's does: allreduce_bandwidth.py is there.
+    # The notebook runs in (a copy of) its own folder, as a student's does: allreduce_bandwidth.py and the recorded
+    # GPU runs are there.
     workdir = tmp_path_factory.mktemp("lab4") / "lab4"
     shutil.copytree(LAB_FOLDER, workdir)
+    notebook = nbformat.read(workdir / SOURCE_NOTEBOOK.name, as_version=4)
+    notebook.cells.append(new_code_cell(MOVE_THE_SLIDERS))
+    nbformat.write(notebook, workdir / SOURCE_NOTEBOOK.name)
     return execute(workdir / SOURCE_NOTEBOOK.name, workdir, SMALL_SETTINGS), workdir
 
 
@@ -80,8 +96,9 @@ def test_lab4_source_is_committed_without_outputs_and_with_a_parameters_cell():
 def test_lab4_runs_without_errors_and_draws_its_plots(executed_lab4):
     text, _, images, errors = outputs_of(executed_lab4[0])
     assert errors == []
-    # cost model (2 panels), sweep, sync vs async, two node-batch bar charts
-    assert images >= 5
+    # tree, butterfly and ring pictures, cost model (2 panels), sweep, sync vs async, two node-batch bar charts, the
+    # scaling prediction with the GPU cluster's and with this machine's figures
+    assert images >= 10
     assert "data parallel  == one device: True" in text and "model parallel == one device: True" in text
     assert "rank 0 sent 96 bytes in 6 steps; the model: 96 bytes in 6 steps" in text
 
@@ -128,6 +145,68 @@ def test_lab4_simulates_sync_and_async_sgd_and_models_the_node_batch_tradeoff(ex
 
 
 @pytest.mark.slow
+def test_lab4_draws_the_tree_butterfly_and_ring_step_by_step_from_the_simulation(executed_lab4):
+    text, _, images, errors = outputs_of(code_cell_containing(executed_lab4[0], "allreduce_steps.reduction_tree("))
+    assert errors == [] and images == 3
+    assert ("reduction tree of 7 nodes holding 1..7: the root holds 28 after 3 reduce steps; every node holds 28 "
+            "after 6 steps") in text
+    assert "butterfly of 4 nodes holding 1..4: every node holds 10 after 2 exchanges" in text
+    assert "ring of 4 ranks: after 6 steps every rank holds [10. 20. 30. 40.] = True" in text
+
+
+MODEL_LINE = re.compile(r"^ *(parameter server|reduction tree|butterfly|ring): 1 rank ([\d,]+) images/s \| 8 ranks "
+                        r"([\d,]+) images/s, efficiency ([\d.]+) \| 1024 ranks ([\d,]+) images/s, efficiency ([\d.]+)$",
+                        re.MULTILINE)
+
+
+def model_lines(text: str) -> dict[str, list[float]]:
+    return {name: [float(value.replace(",", "")) for value in values] for name, *values in MODEL_LINE.findall(text)}
+
+
+@pytest.mark.slow
+def test_lab4_predicts_scaling_from_the_gpu_figures_next_to_the_recorded_gpu_runs(executed_lab4):
+    cell = code_cell_containing(executed_lab4[0], "draw_prediction(**slider_values(GPU_CLUSTER, 128)")
+    text, html, images, errors = outputs_of(cell)
+    assert errors == [] and images == 2                       # the GPU cluster's figures, this machine's
+    recorded = [fragment for fragment in html if "scaling efficiency" in fragment]
+    assert len(recorded) == 1 and any("Recorded (not measured here)" in fragment for fragment in html)
+    rows = table_rows(recorded[0])
+    assert [(row[0][:5], row[3], row[4]) for row in rows[:2]] == [("DGX-1", "1", "412"), ("DGX-1", "8", "3,170")]
+    assert rows[1][6] == "0.962"                               # 3170 / (8 x 412)
+    gpu, here = text.split("This machine's measured figures")
+    gpu_model = model_lines(gpu)
+    assert list(gpu_model) == ["parameter server", "reduction tree", "butterfly", "ring"]
+    # 128 images in 30 + 320 ms; on 8 GPUs + 2·7·5 µs + 2·7/8 · 102.4 MB at 12.5 GB/s
+    assert gpu_model["ring"][:3] == [366, 2810, 0.960]
+    assert gpu_model["ring"][4] > 0.9 > gpu_model["butterfly"][4] > gpu_model["reduction tree"][4] \
+        > gpu_model["parameter server"][4]
+    measured = model_lines(here)
+    assert set(measured) == set(gpu_model) and all(0 < values[2] <= 1 for values in measured.values())
+
+
+@pytest.mark.slow
+def test_lab4_prediction_sliders_start_at_the_measured_figures_and_redraw_for_new_values(executed_lab4):
+    # The executed notebook keeps its widgets' state: the six sliders and the Output widget interactive() redraws
+    # into, which after the moves holds the prediction for the GPU cluster's figures.
+    widget_state = executed_lab4[0].metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    models = list(widget_state.values())
+    sliders = {model["state"].get("description"): model["state"] for model in models
+               if model["model_name"] in ("FloatLogSliderModel", "SelectionSliderModel")}
+    assert set(sliders) == {"t₀ (ms)", "t_image (ms)", "batch/rank", "model (MB)", "α (µs)", "1/β (GB/s)"}
+    assert sliders["α (µs)"]["value"] == pytest.approx(5) and sliders["1/β (GB/s)"]["value"] == pytest.approx(12.5)
+    outputs = [output for model in models if model["model_name"] == "OutputModel"
+               for output in model["state"].get("outputs", [])]
+    printed = "".join(output.get("text", "") for output in outputs if output.get("output_type") == "stream")
+    assert model_lines(printed)["ring"][:3] == [366, 2810, 0.960], printed
+    assert sum("image/png" in output.get("data", {}) for output in outputs) == 1, "the redrawn prediction is not plotted"
+    text = outputs_of(executed_lab4[0]).text
+    fitted = re.search(r"fitted compute model: t0 = ([\d.]+) ms \+ ([\d.]+) ms per image", text)
+    measured_line = re.search(r"model for t0 = ([\d.e+-]+) ms, t_image = ([\d.e+-]+) ms, batch 64 per rank", text)
+    assert fitted and measured_line
+    assert float(measured_line.group(1)) == pytest.approx(float(fitted.group(1)), rel=0.05, abs=0.01)
+
+
+@pytest.mark.slow
 def test_lab4_quiz_accepts_the_right_answers_and_explains_wrong_ones():
     source = nbformat.read(SOURCE_NOTEBOOK, as_version=4)
     run_quiz(source, QUIZ_ANSWERS, questions=2)
@@ -146,7 +225,7 @@ def released_course(tmp_path_factory):
 @pytest.mark.slow
 def test_lab4_release_ships_the_sweep_script_has_no_solutions_and_fails_validation(released_course):
     released = released_course / "release" / "lab4"
-    assert (released / "allreduce_bandwidth.py").is_file()
+    assert (released / "allreduce_bandwidth.py").is_file() and (released / "recorded_gpu_scaling.csv").is_file()
     text = (released / "lab4_communication.ipynb").read_text()
     assert "### BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
     assert "raise NotImplementedError" in text

@@ -1,19 +1,24 @@
 """Lab 5 (large-batch training): the solved notebook runs end to end on real CIFAR-10 and Fashion-MNIST with small
-settings, its quiz explains wrong answers, and nbgrader's student release fails validation while the source passes."""
+settings, shows the recorded reference (the small-batch row, steps to a target against the batch size), its quiz
+explains wrong answers, and nbgrader's student release fails validation while the source passes."""
 
 from __future__ import annotations
 
 import csv
 import re
+import shutil
 
 import nbformat
 import pytest
 from nbclient.exceptions import CellExecutionError
 
 import labtools
-from labtools import LABS, execute, outputs_of, run_quiz, validate
+from labtools import LABS, code_cell_containing, execute, outputs_of, run_quiz, validate
 
-SOURCE_NOTEBOOK = LABS / "source" / "lab5" / "lab5_large_batch.ipynb"
+LAB_FOLDER = LABS / "source" / "lab5"
+SOURCE_NOTEBOOK = LAB_FOLDER / "lab5_large_batch.ipynb"
+RECORDED_BATCH_SIZES = [64, 128, 256, 512]
+REFERENCE_ROW = "recorded: warmup at batch 64, 8 epochs (small-batch reference)"
 # One rung (LAMB), plus the notebook's ghost-batch-norm run of the warmup rung (SGD), keeps the smoke test within
 # two minutes; the full-settings run, timed by hand, trains every rung.
 LADDER = ["lamb"]
@@ -27,8 +32,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def executed_lab5(tmp_path_factory, cifar10_dir):
-    workdir = tmp_path_factory.mktemp("lab5")
-    return execute(SOURCE_NOTEBOOK, workdir, SMALL_SETTINGS), workdir
+    # The notebook runs in (a copy of) its own folder, as a student's does: the recorded runs are there.
+    workdir = tmp_path_factory.mktemp("lab5") / "lab5"
+    shutil.copytree(LAB_FOLDER, workdir)
+    return execute(workdir / SOURCE_NOTEBOOK.name, workdir, SMALL_SETTINGS), workdir
 
 
 def test_lab5_source_is_committed_without_outputs_and_with_a_parameters_cell():
@@ -39,8 +46,8 @@ def test_lab5_runs_without_errors_and_draws_its_plots(executed_lab5):
     text, _, images, errors = outputs_of(executed_lab5[0])
     assert errors == []
     # sharp/flat, scaling rules, warmup, noise covariance, gradient noise, batch schedules, LARS trust ratios,
-    # accuracy vs time
-    assert images >= 8
+    # accuracy vs time, the recorded reference
+    assert images >= 9
     assert re.search(r"estimated gradient noise scale: -?\d+ images", text)
     assert re.search(r"decay the learning rate: held-out accuracy 0\.\d{4} in 24 steps", text)
     assert re.search(r"increase the batch size: held-out accuracy 0\.\d{4} in 11 steps", text)
@@ -87,12 +94,37 @@ def test_lab5_ladder_runs_every_variant_and_fills_the_table_from_its_csv_logs(ex
         csv_log = workdir / "lab5_runs" / f"{variant}.csv"
         assert len(csv_log.read_text().splitlines()) == 1 + SMALL_SETTINGS["LADDER_EPOCHS"]
     assert (workdir / "lab5_runs" / "warmup_ghost_bn.csv").is_file()
-    tables = [fragment for fragment in html if "final val_accuracy" in fragment]
+    tables = [fragment for fragment in html if "<th>run</th><th>final val_accuracy</th>" in fragment]
     assert len(tables) == 1
     rows = re.findall(r"<tr><td>([^<]+)</td><td>(0\.\d{4})</td><td>(0\.\d{4})</td><td>(\d+)</td><td>(\d+)</td></tr>",
                       tables[0])
-    assert [row[0] for row in rows] == LADDER + ["warmup + ghost BN"]
+    assert [row[0] for row in rows] == LADDER + ["warmup + ghost BN", REFERENCE_ROW]
     assert all(int(row[4]) > 0 for row in rows)
+
+
+def test_lab5_shows_the_recorded_steps_to_target_against_the_batch_size_next_to_the_measured_noise_scale(
+        executed_lab5):
+    notebook, _ = executed_lab5
+    text, html, images, errors = outputs_of(code_cell_containing(notebook, "def steps_to_target("))
+    assert errors == [] and images == 1
+    assert any("Recorded (not run here)" in fragment for fragment in html)
+    table = next(fragment for fragment in html if "steps to 0.45" in fragment)
+    rows = re.findall(r"<tr><td>(\d+)</td><td>(\d+)</td><td>(0\.\d{4})</td><td>(0\.\d{4})</td><td>(\d+)</td>"
+                      r"<td>(\d+)</td><td>(\d+)</td></tr>", table)
+    assert [int(row[0]) for row in rows] == RECORDED_BATCH_SIZES
+    # 8 epochs of the 5,170-image subset: 80 steps per epoch at batch 64 … 10 at batch 512.
+    assert [int(row[1]) for row in rows] == [8 * (5170 // batch) for batch in RECORDED_BATCH_SIZES]
+    steps_to_target = [int(row[6]) for row in rows]
+    assert steps_to_target == sorted(steps_to_target, reverse=True) and steps_to_target[0] > steps_to_target[-1] > 0
+    # ^ larger batches need fewer steps…
+    samples_to_target = [steps * batch for steps, batch in zip(steps_to_target, RECORDED_BATCH_SIZES)]
+    assert samples_to_target[-1] > samples_to_target[0]          # …but more images: the returns diminish
+    listed = re.search(r"recorded steps to 0\.45: batch 64: (\d+), batch 128: (\d+), batch 256: (\d+), "
+                       r"batch 512: (\d+)", text)
+    assert listed and [int(value) for value in listed.groups()] == steps_to_target
+    fitted = re.search(r"fitted S\(B\) = S_min \(1 \+ B_noise / B\): S_min = (\d+) steps, B_noise = (\d+) images", text)
+    assert fitted and 0 < int(fitted.group(1)) <= min(steps_to_target) and int(fitted.group(2)) > 0
+    assert re.search(r"gradient noise scale measured in section 2: -?\d+ images", text)
 
 
 def test_lab5_quiz_accepts_the_right_answers_and_explains_wrong_ones():
@@ -116,6 +148,7 @@ def test_lab5_release_has_no_solutions_and_fails_validation(released_course, cif
     released = released_course / "release" / "lab5" / "lab5_large_batch.ipynb"
     text = released.read_text()
     assert "### BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
+    assert (released.parent / "recorded_batch_sizes.csv").is_file(), "the recorded reference ships with the lab"
     results = validate(released)
     # three exercises and two quiz questions, each unanswered
     assert len(results.get("failed", [])) == 5, results.keys()

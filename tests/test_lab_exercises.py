@@ -10,12 +10,11 @@ a child process, after the imports (and, for lab 1, the data) the test cell need
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
 
 import nbformat
 import pytest
 
-from labtools import LABS, code_cell_containing, grade_exercise, python_source
+from labtools import LABS, Wrong, assert_rejected, code_cell_containing, python_source
 
 NOTEBOOKS = {"lab1": LABS / "source" / "lab1" / "lab1_gradient_descent.ipynb",
              "lab2": LABS / "source" / "lab2" / "lab2_batch_size.ipynb",
@@ -28,10 +27,6 @@ CONTEXT = {"lab1": ("np.polyfit", False), "lab2": (None, False), "lab3": ("HOROV
            "lab4": ("from scalelab import comm", True), "lab5": ("from scalelab.optimizers import", True)}
 
 
-class Wrong(NamedTuple):
-    bodies: tuple        # the solution regions' code, in order; None keeps the reference for that region
-    caught_by: str       # "hidden" or "visible"
-    message: str         # a fragment of the assertion message that must explain the mistake
 
 
 RING_SUM_FOR_SHOW = """
@@ -208,17 +203,5 @@ def test_every_graded_exercise_of_labs_1_to_5_has_wrong_solutions_here():
 @pytest.mark.parametrize("lab, solution_id, tests_id", list(EXERCISES), ids=[f"{lab}-{solution}"
                                                                             for lab, solution, _ in EXERCISES])
 def test_the_graded_tests_pass_the_reference_and_reject_each_wrong_solution(lab, solution_id, tests_id, tmp_path):
-    wrong = EXERCISES[lab, solution_id, tests_id]
-    solutions = {"reference": (None,) * len(next(iter(wrong.values())).bodies)}
-    solutions.update({name: mistake.bodies for name, mistake in wrong.items()})
-    outcomes = grade_exercise(NOTEBOOKS[lab], solution_id, tests_id, context_of(lab), solutions, tmp_path)
-
-    assert outcomes["reference"] == {"graded": None, "visible": None}
-    for name, mistake in wrong.items():
-        graded, visible = outcomes[name]["graded"], outcomes[name]["visible"]
-        assert graded is not None and graded.startswith("AssertionError"), f"{name!r} was not rejected: {graded}"
-        if mistake.caught_by == "hidden":
-            assert visible is None, f"{name!r} already fails the visible checks: {visible}"
-            assert mistake.message in graded, f"{name!r} was rejected for another reason: {graded}"
-        else:
-            assert visible is not None and visible.startswith("AssertionError"), name
+    assert_rejected(NOTEBOOKS[lab], solution_id, tests_id, context_of(lab), EXERCISES[lab, solution_id, tests_id],
+                    tmp_path)
