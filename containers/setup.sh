@@ -542,7 +542,8 @@ if [ "$framework_source" = build ]; then
             cp "$horovod_source"/wheel/horovod-*.whl "$horovod_wheels"/ || true  # only a time saver
         fi
         if [ "$(installed_version horovod)" != "$horovod_build" ]; then
-            echo "setup.sh: built Horovod $(installed_version horovod), expected $horovod_build (the patches set it)" >&2
+            echo "setup.sh: built Horovod $(installed_version horovod), expected $horovod_build" \
+                "(the patches set it)" >&2
             exit 1
         fi
     fi

@@ -177,3 +177,21 @@ def test_assess_in_the_container_passes_the_reference_solution(lab):
     assert verdict["verdict"] == "pass", verdict["reasons"]
     assert verdict["sandboxed"] and verdict["ranks_seen"] == [0, 1]
     assert verdict["heldout_accuracy"] >= verdict["target_accuracy"]
+
+
+def test_setup_sh_keeps_the_framework_a_base_brings_as_for_the_gpu_image(image):
+    # The GPU image's install path (NGC's TensorFlow and Horovod kept) on the one base these machines can build: the
+    # CPU image, whose TensorFlow and Horovod stand for NGC's. As root, on the host's network and certificates (pip
+    # builds the course's editable wheel), without apt (the packages are there).
+    bundle = os.environ.get("SSL_CERT_FILE") or "/etc/ssl/certs/ca-certificates.crt"
+    mounts = ["--volume", f"{os.path.realpath(bundle)}:/etc/ssl/certs/ca-certificates.crt:ro"] \
+        if os.path.isfile(bundle) else []
+    _, run_flags = podman_host_flags()
+    done = podman("run", "--rm", "--user", "root", "--network", "host", *run_flags, *mounts,
+                  "--workdir", "/opt/scalelab", image,
+                  "containers/setup.sh", "--system-python", "--framework-from-base", "--skip-apt",
+                  timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    kept = re.findall(r"TensorFlow (\S+) and Horovod (\S+) from the base: kept", done.stdout)
+    assert kept == [("2.15.1", "0.28.1+scalelab.1")] * 2, done.stdout  # before installing the course, and after
+    assert "ScaleLab stack ready" in done.stdout
