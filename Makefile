@@ -8,6 +8,8 @@
 #   make doctor  what is installed and which data sets are available
 #   make release / make autograde   the nbgrader cycle for the labs (see README)
 #   make bench   the benchmark report
+#   make image-cpu  the CPU image scalelab:cpu from containers/Dockerfile.cpu, with Docker or else podman
+#                (IMAGE_BASE=localhost/NAME builds on a local base; containers/build-image.sh says more)
 
 SHELL := /bin/bash
 VENV := .venv
@@ -50,7 +52,7 @@ export OMPI_MCA_coll_tuned_use_dynamic_rules ?= 1
 export OMPI_MCA_coll_tuned_dynamic_rules_filename ?= $(CURDIR)/source_code/scalelab/openmpi-collective-rules.conf
 PYTEST_ARGS ?=
 
-.PHONY: setup lab test hub doctor release autograde bench clean
+.PHONY: setup lab test hub doctor release autograde bench image-cpu clean
 
 setup: $(SETUP_STAMP)
 
@@ -110,6 +112,13 @@ BENCH_OUT ?= bench-report
 BENCH_ARGS ?=
 bench: setup
 	PYTHONPATH=source_code $(VENV_PYTHON) -m benchmarks.run --out $(BENCH_OUT) $(BENCH_ARGS)
+
+# Docker when its daemon answers, else podman; IMAGE_ENGINE=docker|podman to choose. IMAGE_BASE=localhost/NAME builds on
+# that local image (`podman build --from`), keeping the Dockerfile's FROM for everyone else; containers/debian-base.sh
+# makes a Debian 12 one where no registry can be reached (the tests do).
+IMAGE_BASE ?=
+image-cpu:
+	IMAGE_BASE=$(IMAGE_BASE) containers/build-image.sh cpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs the ScaleLab stack: Debian packages, a virtual environment with the pinned Python packages,
 # Horovod compiled against TensorFlow with Gloo and MPI, and a check of Horovod's build.
-# Used by `make setup`, by CI and by the CPU container image: the one install path of the project.
+# Used by `make setup`, by CI and by both container images: the one install path of the project.
 #
-#   containers/setup.sh [--venv DIR] [--gpu] [--hub] [--system-python] [--skip-apt] [--choose-python] [--choose-installer]
+#   containers/setup.sh [--venv DIR] [--gpu] [--hub] [--system-python] [--framework-from-base] [--skip-apt]
+#                       [--choose-python] [--choose-installer]
 #
 #   --venv DIR          where the virtual environment goes (default: .venv in the project root)
 #   --hub               the environment of a class server (`make hub`): the course installed as a copy rather than in
@@ -11,6 +12,10 @@
 #                       solutions)
 #   --gpu               tensorflow[and-cuda] and Horovod with NCCL instead of the CPU build
 #   --system-python     install into the chosen interpreter instead of a venv (container images)
+#   --framework-from-base  keep the TensorFlow and Horovod the interpreter already has (the GPU image: NVIDIA's NGC
+#                       build, with NCCL); stop unless they are the pinned releases (TensorFlow's minor release,
+#                       Horovod exactly), install only what the course runs with from Debian/Ubuntu, and the course
+#                       with the rest of the pins, no extra
 #   --skip-apt          do not check or install Debian packages
 #   --choose-python     only choose the interpreter: print which and why, exit 0 (1 with the reason when none works)
 #   --choose-installer  only say whether the pinned packages would be installed with uv or pip, and why
@@ -32,6 +37,7 @@ project_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$project_root/.venv"
 flavour=cpu
 use_venv=1
+framework_source=build
 do_apt=1
 hub=0
 only=""
@@ -41,6 +47,7 @@ while [ $# -gt 0 ]; do
         --gpu) flavour=gpu; shift ;;
         --hub) hub=1; shift ;;
         --system-python) use_venv=0; shift ;;
+        --framework-from-base) framework_source=base; shift ;;
         --skip-apt) do_apt=0; shift ;;
         --choose-python) only=python; shift ;;
         --choose-installer) only=installer; shift ;;
@@ -65,7 +72,7 @@ shared_pythons="${SCALELAB_SHARED_PYTHONS:-/usr/bin/python3.11 /usr/bin/python3.
 # The way out where no interpreter works: the CPU image, built and run as containers/README.md says.
 # shellcheck disable=SC2016  # $HOME is for the reader's shell
 image_commands='docker build -f containers/Dockerfile.cpu -t scalelab:cpu .
-  docker run --rm -p 8888:8888 --shm-size=1g --security-opt seccomp=unconfined --security-opt apparmor=unconfined --security-opt systempaths=unconfined -v "$HOME/cifar10:/data/cifar10:ro" -v scalelab-home:/home/scalelab/.scalelab scalelab:cpu'
+  docker run --rm -p 127.0.0.1:8888:8888 --shm-size=1g --security-opt seccomp=unconfined --security-opt apparmor=unconfined --security-opt systempaths=unconfined -v "$HOME/cifar10:/data/cifar10:ro" -v scalelab-home:/home/scalelab/.scalelab scalelab:cpu'
 
 # "3.11 /usr/bin/python3.11": the version and sys.executable of an interpreter; nothing when it does not run.
 probe() {
@@ -388,12 +395,47 @@ if [ "$only" = installer ]; then
     exit 0
 fi
 
+# "TENSORFLOW HOROVOD": the versions the interpreter $1 has, or the reason it has none.
+framework_versions() {
+    { "$1" -c 'import tensorflow, horovod; print(tensorflow.__version__, horovod.__version__)' 2>&1 || true; } |
+        tail -n 1
+}
+# --framework-from-base: the base's TensorFlow and Horovod must be the releases pyproject.toml pins (read without
+# tomllib, which Python 3.10 lacks); checked before anything is installed, and again after (pip must keep them).
+check_base_framework() {
+    local versions tensorflow horovod tensorflow_pinned horovod_pinned
+    tensorflow_pinned="$(grep -oE '"tensorflow(-cpu)?(\[[^]]*\])?==[0-9.]+"' "$project_root/pyproject.toml" |
+        head -n 1 | sed -E 's/.*==([0-9.]+)"/\1/')"
+    horovod_pinned="$(grep -oE '"horovod==[0-9.]+"' "$project_root/pyproject.toml" | head -n 1 |
+        sed -E 's/.*==([0-9.]+)"/\1/')"
+    versions="$(framework_versions "$1")"
+    read -r tensorflow horovod <<<"$versions" || true
+    if [[ ! "$tensorflow" =~ ^[0-9]+\.[0-9]+ ]] || [[ ! "$horovod" =~ ^[0-9]+\.[0-9]+ ]]; then
+        fail "--framework-from-base: $1 cannot import TensorFlow and Horovod ($versions); use a base that ships" \
+            "both (NVIDIA's NGC TensorFlow image), or leave the option out to install them"
+    fi
+    if [ "$(cut -d. -f1-2 <<<"$tensorflow")" != "$(cut -d. -f1-2 <<<"$tensorflow_pinned")" ] \
+            || [ "${horovod%%+*}" != "$horovod_pinned" ]; then
+        fail "--framework-from-base: ${2:-the base ships} TensorFlow $tensorflow and Horovod $horovod; the course" \
+            "pins TensorFlow $tensorflow_pinned (any $(cut -d. -f1-2 <<<"$tensorflow_pinned").x) and Horovod" \
+            "$horovod_pinned (pyproject.toml)"
+    fi
+    say "TensorFlow $tensorflow and Horovod $horovod from the base: kept"
+}
+if [ "$framework_source" = base ]; then
+    check_base_framework "$python_base"
+fi
+
 # Debian packages: the MPI Horovod links against, its build tools (and `patch` for containers/patches/),
 # offline Fashion-MNIST, the grader's sandbox, Chromium for the browser tests, and Slurm + munge (the Slurm
 # backend and its tests).
 apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make patch dataset-fashion-mnist bubblewrap chromium procps slurm-wlm slurm-client munge)
+# With the base's TensorFlow and Horovod (and its MPI), only what the course runs with: the grader's sandbox and
+# what it needs, offline Fashion-MNIST. (util-linux, for setpriv, is essential in Debian and Ubuntu.)
+runtime_packages=(bubblewrap util-linux procps dataset-fashion-mnist)
+if [ "$framework_source" = base ]; then apt_packages=("${runtime_packages[@]}"); fi
 # Debian's and Ubuntu's own Python keep `venv` and the headers Horovod compiles against in packages of their own.
-if [[ "$(readlink -f "$python_base")" =~ ^/usr/bin/python(3\.[0-9]+)$ ]]; then
+if [ "$framework_source" = build ] && [[ "$(readlink -f "$python_base")" =~ ^/usr/bin/python(3\.[0-9]+)$ ]]; then
     apt_packages+=("python${BASH_REMATCH[1]}-dev")
     if [ "$use_venv" = 1 ]; then apt_packages+=("python${BASH_REMATCH[1]}-venv"); fi
 fi
@@ -448,58 +490,62 @@ fi
 choose_installer
 say "Installing with $installer ($installer_why)"
 
-if [ "$flavour" = gpu ]; then
-    tensorflow_pin="$(pin tensorflow)"
-    horovod_gpu=(HOROVOD_GPU_OPERATIONS=NCCL)
-else
-    tensorflow_pin="$(pin tensorflow-cpu)"
-    horovod_gpu=()
-fi
-installed_version() {
-    "$python" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$1" 2>/dev/null || true
-}
-tensorflow_version="${tensorflow_pin##*==}"
-if [ "$(installed_version "${tensorflow_pin%%[[=]*}")" != "$tensorflow_version" ]; then
-    say "Installing $tensorflow_pin"
-    install_pinned "$tensorflow_pin"
-fi
-
-horovod_pin="$(pin horovod)"
-horovod_version="${horovod_pin#horovod==}"
-# Horovod is built from its sdist with the fixes in containers/patches/ applied. They set the local version label
-# below, which tells a patched build from a plain one (pip still takes it for the horovod==X.Y.Z pin).
-horovod_build="$horovod_version+scalelab.1"
-# The built wheel is kept, keyed by everything it was compiled against, so that a second venv on this machine
-# (the hub's under /opt next to .venv) installs it in seconds instead of compiling for minutes.
-horovod_wheels="$(dirname "$bootstrap_dir")/horovod-wheels/$flavour-${tensorflow_pin//[^[:alnum:].=_-]/_}-$(
-    cat "$project_root"/containers/patches/horovod-"$horovod_version"-*.patch | sha256sum | cut -c1-16)"
-python_tag="$("$python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
-if [ "$(installed_version horovod)" != "$horovod_build" ]; then
-    horovod_wheel="$(compgen -G "$horovod_wheels/horovod-$horovod_build-$python_tag-*.whl" | head -n 1 || true)"
-    if [ -n "$horovod_wheel" ]; then
-        say "Installing Horovod $horovod_build built earlier on this machine ($horovod_wheel)"
-        "${pip[@]}" install -q --no-deps "$horovod_wheel"
+# TensorFlow from its wheel and Horovod compiled against it, unless the base brought both.
+if [ "$framework_source" = build ]; then
+    if [ "$flavour" = gpu ]; then
+        tensorflow_pin="$(pin tensorflow)"
+        horovod_gpu=(HOROVOD_GPU_OPERATIONS=NCCL)
     else
-        say "Building Horovod $horovod_build against TensorFlow with Gloo and MPI (a few minutes)"
-        horovod_source="$(mktemp -d)"
-        trap 'rm -rf "$horovod_source"' EXIT
-        "${pip[@]}" download -q --no-deps --no-binary :all: --no-build-isolation -d "$horovod_source" "$horovod_pin"
-        tar -xzf "$horovod_source/horovod-$horovod_version.tar.gz" -C "$horovod_source"
-        for fix in "$project_root"/containers/patches/horovod-"$horovod_version"-*.patch; do
-            patch --quiet --forward -p1 -d "$horovod_source/horovod-$horovod_version" < "$fix"
-        done
-        # --no-build-isolation: Horovod's CMake must import the TensorFlow installed above.
-        env HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
-            HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 MAKEFLAGS="-j$(nproc)" "${horovod_gpu[@]}" \
-            "${pip[@]}" wheel -q --no-deps --no-build-isolation -w "$horovod_source/wheel" \
-            "$horovod_source/horovod-$horovod_version"
-        "${pip[@]}" install -q --no-deps "$horovod_source"/wheel/horovod-*.whl
-        mkdir -p "$horovod_wheels"
-        cp "$horovod_source"/wheel/horovod-*.whl "$horovod_wheels"/ || true  # only a time saver
+        tensorflow_pin="$(pin tensorflow-cpu)"
+        horovod_gpu=()
     fi
+    installed_version() {
+        "$python" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$1" 2>/dev/null || true
+    }
+    tensorflow_version="${tensorflow_pin##*==}"
+    if [ "$(installed_version "${tensorflow_pin%%[[=]*}")" != "$tensorflow_version" ]; then
+        say "Installing $tensorflow_pin"
+        install_pinned "$tensorflow_pin"
+    fi
+
+    horovod_pin="$(pin horovod)"
+    horovod_version="${horovod_pin#horovod==}"
+    # Horovod is built from its sdist with the fixes in containers/patches/ applied. They set the local version label
+    # below, which tells a patched build from a plain one (pip still takes it for the horovod==X.Y.Z pin).
+    horovod_build="$horovod_version+scalelab.1"
+    # The built wheel is kept, keyed by everything it was compiled against, so that a second venv on this machine
+    # (the hub's under /opt next to .venv) installs it in seconds instead of compiling for minutes.
+    horovod_wheels="$(dirname "$bootstrap_dir")/horovod-wheels/$flavour-${tensorflow_pin//[^[:alnum:].=_-]/_}-$(
+        cat "$project_root"/containers/patches/horovod-"$horovod_version"-*.patch | sha256sum | cut -c1-16)"
+    python_tag="$("$python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
     if [ "$(installed_version horovod)" != "$horovod_build" ]; then
-        echo "setup.sh: built Horovod $(installed_version horovod), expected $horovod_build (the patches set it)" >&2
-        exit 1
+        horovod_wheel="$(compgen -G "$horovod_wheels/horovod-$horovod_build-$python_tag-*.whl" | head -n 1 || true)"
+        if [ -n "$horovod_wheel" ]; then
+            say "Installing Horovod $horovod_build built earlier on this machine ($horovod_wheel)"
+            "${pip[@]}" install -q --no-deps "$horovod_wheel"
+        else
+            say "Building Horovod $horovod_build against TensorFlow with Gloo and MPI (a few minutes)"
+            horovod_source="$(mktemp -d)"
+            trap 'rm -rf "$horovod_source"' EXIT
+            "${pip[@]}" download -q --no-deps --no-binary :all: --no-build-isolation -d "$horovod_source" "$horovod_pin"
+            tar -xzf "$horovod_source/horovod-$horovod_version.tar.gz" -C "$horovod_source"
+            for fix in "$project_root"/containers/patches/horovod-"$horovod_version"-*.patch; do
+                patch --quiet --forward -p1 -d "$horovod_source/horovod-$horovod_version" < "$fix"
+            done
+            # --no-build-isolation: Horovod's CMake must import the TensorFlow installed above.
+            env HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
+                HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 MAKEFLAGS="-j$(nproc)" "${horovod_gpu[@]}" \
+                "${pip[@]}" wheel -q --no-deps --no-build-isolation -w "$horovod_source/wheel" \
+                "$horovod_source/horovod-$horovod_version"
+            "${pip[@]}" install -q --no-deps "$horovod_source"/wheel/horovod-*.whl
+            mkdir -p "$horovod_wheels"
+            cp "$horovod_source"/wheel/horovod-*.whl "$horovod_wheels"/ || true  # only a time saver
+        fi
+        if [ "$(installed_version horovod)" != "$horovod_build" ]; then
+            echo "setup.sh: built Horovod $(installed_version horovod), expected $horovod_build" \
+                "(the patches set it)" >&2
+            exit 1
+        fi
     fi
 fi
 
@@ -510,6 +556,10 @@ if [ "$hub" = 1 ]; then
     refresh=()
     if [ "$installer" = uv ]; then refresh=(--reinstall-package scalelab); fi
     install_pinned ${refresh[@]+"${refresh[@]}"} "${project_root}[$flavour,test]"
+elif [ "$framework_source" = base ]; then
+    # No extra: the cpu and gpu extras would install a TensorFlow wheel over the base's.
+    install_pinned -e "${project_root}"
+    check_base_framework "$python" "installing the course left"
 else
     install_pinned -e "${project_root}[$flavour,test]"
 fi
@@ -518,8 +568,12 @@ export TF_CPP_MIN_LOG_LEVEL=2
 say "Checking Horovod's build"
 # Where the interpreter's scripts land: the venv's bin/, or /usr/local/bin for Debian's Python without a venv.
 horovodrun="$("$python" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/horovodrun"
+if [ ! -x "$horovodrun" ] && [ "$framework_source" = base ]; then horovodrun="$(command -v horovodrun)"; fi
 build="$("$horovodrun" --check-build)"
-for framework in TensorFlow MPI Gloo; do
+# The base's build is taken as it is beyond TensorFlow (NGC's has NCCL and its own MPI).
+required="TensorFlow MPI Gloo"
+if [ "$framework_source" = base ]; then required=TensorFlow; fi
+for framework in $required; do
     if ! grep -q "\[X\] $framework" <<<"$build"; then
         echo "$build" >&2
         echo "setup.sh: Horovod was built without $framework; remove it (pip uninstall horovod) and run again." >&2

@@ -175,8 +175,11 @@ def sandbox_works() -> str | None:
     if bwrap is None:
         return "bubblewrap (bwrap) is not installed (apt-get install bubblewrap)"
     try:
+        # The namespaces and the host name the real sandbox (sandbox_argv) asks for, so that what a container
+        # forbids is found here, before a run, rather than as a failed run.
         probe = subprocess.run([bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-net",
-                                "--unshare-pid", "--unshare-uts", "--die-with-parent", "true"],
+                                "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", SANDBOX_HOSTNAME,
+                                "--die-with-parent", "true"],
                                capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"bubblewrap could not start: {error}"
@@ -184,8 +187,12 @@ def sandbox_works() -> str | None:
         reason = f"bubblewrap could not start a sandbox here: {probe.stderr.strip()}"
         if "mount proc" in probe.stderr:
             # Container engines mask parts of /proc, which forbids a fresh proc mount inside the container.
-            reason += (" (inside a container: start it with `--security-opt unmask=ALL` under podman or "
+            reason += (" (inside a container: start it with `--security-opt 'unmask=/proc/*'` under podman or "
                        "`--security-opt systempaths=unconfined` under docker, as containers/README.md shows)")
+        elif "set hostname" in probe.stderr:
+            # podman's default seccomp profile refuses sethostname to a container without CAP_SYS_ADMIN.
+            reason += (" (inside a container: start it with `--security-opt seccomp=unconfined`, as "
+                       "containers/README.md shows)")
         return reason
     return None
 

@@ -104,11 +104,37 @@ def test_a_container_that_forbids_mounting_proc_is_told_which_flag_to_add(tmp_pa
     monkeypatch.setattr(sandbox_module, "bwrap_path", lambda: str(fake))
     reason = sandbox_module.sandbox_works()
     assert "Can't mount proc" in reason
-    assert "--security-opt unmask=ALL" in reason and "--security-opt systempaths=unconfined" in reason
+    assert "--security-opt 'unmask=/proc/*'" in reason and "--security-opt systempaths=unconfined" in reason
+
+
+def test_a_container_that_forbids_setting_the_host_name_is_told_which_flag_to_add(tmp_path, monkeypatch):
+    # bubblewrap as it fails under podman's default seccomp profile, which refuses sethostname without CAP_SYS_ADMIN.
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho \"bwrap: Can't set hostname to scalelab-sandbox: Operation not permitted\" >&2\n"
+                    "exit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sandbox_module, "bwrap_path", lambda: str(fake))
+    reason = sandbox_module.sandbox_works()
+    assert "Can't set hostname" in reason and "--security-opt seccomp=unconfined" in reason
+
+
+def test_the_probe_asks_for_what_the_sandbox_asks_for(tmp_path, monkeypatch):
+    # A container may allow some of it (a fresh /proc) and refuse the rest (the host name): the probe must find out.
+    log = tmp_path / "argv"
+    fake = tmp_path / "bwrap"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {log}\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sandbox_module, "bwrap_path", lambda: str(fake))
+    assert sandbox_module.sandbox_works() is None
+    probed = log.read_text().split()
+    for option in ("--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--proc"):
+        assert option in probed
+    assert probed[probed.index("--hostname") + 1] == sandbox_module.SANDBOX_HOSTNAME
 
 
 def test_the_container_run_lines_carry_the_flag_that_lets_the_sandbox_mount_proc():
     readme = (PROJECT_ROOT / "containers" / "README.md").read_text()
     run_lines = [block for block in readme.split("```") if "docker run" in block]
     assert run_lines and all("--security-opt systempaths=unconfined" in block for block in run_lines)
-    assert "--security-opt unmask=ALL" in readme
+    podman_lines = [block for block in readme.split("```") if "podman run" in block]
+    assert podman_lines and all("--security-opt 'unmask=/proc/*'" in block for block in podman_lines)

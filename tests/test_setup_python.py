@@ -447,3 +447,44 @@ def test_make_setup_passes_PYTHON_to_setup_sh_and_make_test_keeps_the_venvs_pyth
     dry_run = subprocess.run(["make", "-n", "test", "PYTHON=/opt/python3.11/bin/python3.11"], cwd=tmp_path,
                              env=env, check=True, capture_output=True, text=True, timeout=60).stdout
     assert ".venv/bin/python -m pytest" in dry_run and "python3.11 -m pytest" not in dry_run
+
+
+# --- the GPU image: TensorFlow and Horovod from the base ---------------------------------------------------------
+
+
+def base_python(machine: Machine, frameworks: str) -> Path:
+    """A Python 3.10 like NGC's, whose `import tensorflow, horovod` reports `frameworks` (or fails when empty)."""
+    answer = (f'echo "{frameworks}"' if frameworks
+              else 'echo "ModuleNotFoundError: No module named \'horovod\'" >&2; exit 1')
+    return write_script(machine.shims / "python3", f"""#!/bin/bash
+echo "$*" >> "$0.log"
+case "$1 $2" in
+    "-c "*"import tensorflow, horovod"*) {answer} ;;
+    "-c "*) echo "3.10 $0" ;;
+    *) exit 1 ;;
+esac
+""")
+
+
+@pytest.mark.parametrize("frameworks", ["2.16.1 0.28.1", "2.15.0 0.27.0", ""])
+def test_framework_from_base_stops_before_installing_unless_the_base_has_the_pinned_releases(machine, frameworks):
+    base_python(machine, frameworks)
+    result = machine.setup("--system-python", "--framework-from-base")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert not machine.apt_log.exists(), "setup.sh went on to apt-get"
+    assert "--framework-from-base" in result.stderr
+    if frameworks:
+        assert f"the base ships TensorFlow {frameworks.split()[0]} and Horovod {frameworks.split()[1]}; the course " \
+               "pins TensorFlow 2.15.1 (any 2.15.x) and Horovod 0.28.1" in result.stderr
+    else:
+        assert "cannot import TensorFlow and Horovod (ModuleNotFoundError: No module named 'horovod')" in result.stderr
+
+
+def test_framework_from_base_keeps_ngcs_releases_and_installs_only_what_the_course_runs_with(machine):
+    base_python(machine, "2.15.0 0.28.1")
+    result = machine.setup("--system-python", "--framework-from-base")
+    assert "TensorFlow 2.15.0 and Horovod 0.28.1 from the base: kept" in plain(result.stdout)
+    # It went on to apt (the shim stops it there) for the runtime packages alone: no compilers, no MPI of its own.
+    assert result.returncode == 97, result.stdout + result.stderr
+    installing = "==> Installing Debian packages: bubblewrap util-linux procps dataset-fashion-mnist\n"
+    assert installing in plain(result.stdout)
