@@ -471,16 +471,14 @@ pip=("$python" -m pip --disable-pip-version-check)
 # The pins live in pyproject.toml; read them from there rather than repeating them here.
 pin() {
     "$python" - "$project_root/pyproject.toml" "$1" <<'PY'
-import re, sys, tomllib
-project = tomllib.load(open(sys.argv[1], "rb"))["project"]
-pins = project["dependencies"] + [p for extra in project["optional-dependencies"].values() for p in extra]
+import re, sys
+# The pins are the quoted "NAME==VERSION" strings outside comments (no tomllib: Python 3.10 lacks it).
 name = sys.argv[2]
-for requirement in pins:
-    if re.match(re.escape(name) + r"(\[.*\])?==", requirement):
-        print(requirement)
-        break
-else:
+code = "\n".join(line.split("#")[0] for line in open(sys.argv[1]))
+pins = re.findall(r'"(' + re.escape(name) + r'(?:\[[^\]]*\])?==[^";]+)"', code)
+if not pins:
     sys.exit(f"no pin for {name} in pyproject.toml")
+print(pins[0])
 PY
 }
 

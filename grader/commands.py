@@ -17,7 +17,10 @@ import signal
 import statistics
 import sys
 import threading
-import tomllib
+try:
+    import tomllib
+except ImportError:  # Python 3.10 (Ubuntu 22.04): the same parser as the tomli package
+    import tomli as tomllib
 from pathlib import Path
 
 import psutil

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
+try:
+    import tomllib
+except ImportError:  # Python 3.10 (Ubuntu 22.04): the same parser as the tomli package
+    import tomli as tomllib
 from pathlib import Path
 
 COURSE_ROOT = Path(__file__).resolve().parents[1]

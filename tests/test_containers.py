@@ -30,7 +30,8 @@ def project_pins() -> dict[str, str]:
     requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
     pins = {}
     for requirement in requirements:
-        match = PIN.fullmatch(requirement.strip())
+        # An environment marker may follow the pin (tomli, for Python < 3.11 only).
+        match = PIN.fullmatch(requirement.split(";")[0].strip())
         assert match, f"pyproject.toml has an unpinned requirement: {requirement}"
         pins[normalise(match.group(1))] = match.group(2)
     return pins

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import subprocess_env
 from scalelab.grader import grading, spec
 
 TEST_TRACKS = Path(__file__).parent / "submissions" / "tracks.toml"
@@ -157,3 +158,21 @@ def test_doctor_warns_when_a_track_was_calibrated_on_another_kind_of_machine(tmp
     assert any("track fashion-mnist-cpu was calibrated on another machine" in w and "A Faster CPU" in w
                and f"{here['cpus']} cores, calibrated with 64" in w and "scalelab calibrate" in w for w in warnings)
     assert not any("track cifar10 " in w for w in warnings)  # uncalibrated: nothing to compare
+
+
+def test_the_track_file_is_read_without_tomllib_as_on_python_3_10():
+    # Python 3.10 (Ubuntu 22.04's) has no tomllib: the grader falls back to the tomli package (pinned for < 3.11).
+    # Here tomllib is made unimportable and tomli stands in for it, as it would there.
+    program = """
+import sys, tomllib, types
+stand_in = types.ModuleType("tomli")
+stand_in.load, stand_in.loads, stand_in.TOMLDecodeError = tomllib.load, tomllib.loads, tomllib.TOMLDecodeError
+sys.modules["tomli"], sys.modules["tomllib"] = stand_in, None
+from scalelab.grader import commands, spec
+track = spec.load_track("cifar10-cpu")
+print(spec.tomllib.__name__, commands.tomllib.__name__, track.ranks, track.time_budget_s)
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+                          env=subprocess_env())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[:3] == ["tomli", "tomli", "2"], done.stdout
