@@ -57,6 +57,9 @@ class Bind:
     source: Path
     target: Path
     writable: bool = False
+    # An open directory to show instead of ``source``'s path (bubblewrap's --bind-fd): what was checked is what is
+    # shown, even if the path is swapped for a link in between.
+    fd: int | None = None
 
 
 def bwrap_path() -> str | None:
@@ -158,7 +161,10 @@ def bwrap_argv(command: list[str], *, binds: list[Bind], env: dict[str, str], ch
             if parent != Path("/") and parent not in created and not any(_is_under(parent, s) for s in system):
                 argv += ["--perms", "0755", "--dir", str(parent)]
                 created.add(parent)
-        argv += ["--bind" if bind.writable else "--ro-bind", str(bind.source), str(bind.target)]
+        if bind.fd is not None:
+            argv += ["--bind-fd" if bind.writable else "--ro-bind-fd", str(bind.fd), str(bind.target)]
+        else:
+            argv += ["--bind" if bind.writable else "--ro-bind", str(bind.source), str(bind.target)]
     argv += ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", SANDBOX_HOSTNAME,
              "--die-with-parent", "--new-session", "--chdir", str(chdir), "--clearenv"]
     argv += [arg for name, value in env.items() for arg in ("--setenv", name, value)]

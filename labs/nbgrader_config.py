@@ -4,7 +4,7 @@ import os
 
 from nbgrader.converters import Autograde
 
-from scalelab.headless import with_polling_execute
+from scalelab.grader.nbgrading.sandboxed_execute import with_sandboxed_execute
 
 c = get_config()  # noqa: F821 — provided by nbgrader when it loads this file
 
@@ -20,10 +20,19 @@ c.GenerateFeedback.preprocessors = [
     "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor",
 ]
 
+# What a student's notebook shows is rendered for the instructor (formgrader) and for the student (feedback) with its
+# HTML sanitised: an output or a Markdown cell cannot run a script on the instructor's page.
+c.HTMLExporter.sanitize_html = True
+
 # Autograding runs each notebook without a browser: nbgrader's own steps, with its Execute swapped for one whose
-# kernel client does not hang when a wake-up from the kernel's socket is lost (lab 1's slider triggers it).
-c.Autograde.autograde_preprocessors = with_polling_execute(
+# kernel runs in the grading sandbox (a throw-away uid, no network, no secret, a copy of the notebook's folder;
+# scalelab.grader.nbgrading.kernel_sandbox) and whose client does not hang when a wake-up from the kernel's socket
+# is lost (lab 1's slider triggers it; scalelab.headless).
+c.Autograde.autograde_preprocessors = with_sandboxed_execute(
     Autograde.class_traits()["autograde_preprocessors"].default())
+# Each notebook's kernel, with everything it starts: at most this long and this much memory.
+c.SandboxedKernelManager.time_limit_s = 1800
+c.SandboxedKernelManager.memory_limit_bytes = 6 * 1024**3
 
 # Lab 3's students hand in their converted script next to the notebook. Autograding puts the source folder's files
 # back over a submission's; this one must stay the student's (the released copy holds only FIXMEs).
@@ -31,3 +40,5 @@ c.Autograde.exclude_overwriting = {"lab3": ["fashion_mnist_student.py"]}
 # ... and grading runs that script for one short epoch on two ranks (15–30 s on 2 cores): nbgrader's default limit
 # of 30 s a cell is too tight for it on a busy machine.
 c.Execute.timeout = 300
+# After a cell ends (or is interrupted at its timeout), its last outputs may take a while on a busy machine.
+c.Execute.iopub_timeout = 30

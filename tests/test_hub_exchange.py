@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 import nbformat
+import psutil
 import pytest
 from nbgrader.api import Gradebook
 
@@ -33,14 +34,16 @@ INSTRUCTOR_LAB_TOOLS = ("@jupyter/nbgrader:formgrader", "@jupyter/nbgrader:creat
 SOLUTION_MARKERS = ("### BEGIN SOLUTION", "### END SOLUTION")
 
 
-def as_account(name: str, *command: str) -> subprocess.CompletedProcess:
+def as_account(name: str, *command: str, input: str | None = None,
+               extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``command`` as ``name`` in their home, with what a terminal of their JupyterLab has: the shared venv first on
-    PATH, and nothing of root's environment."""
+    PATH, and nothing of root's environment (``extra_env`` adds to it)."""
     home = pwd.getpwnam(name).pw_dir
+    added = [f"{key}={value}" for key, value in (extra_env or {}).items()]
     return subprocess.run(
         ["runuser", "-u", name, "--", "env", "-i", f"HOME={home}", f"USER={name}", f"LOGNAME={name}",
-         f"PATH={HUB_VENV / 'bin'}:/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8", *command],
-        cwd=home, capture_output=True, text=True, timeout=600)
+         f"PATH={HUB_VENV / 'bin'}:/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8", *added, *command],
+        cwd=home, capture_output=True, text=True, timeout=600, input=input)
 
 
 def nbgrader_as(name: str, *arguments: str) -> subprocess.CompletedProcess:
@@ -217,3 +220,129 @@ def test_another_student_cannot_list_or_read_a_submission(accounts, submitted_qu
     for private in (course_dir / "submitted", course_dir / "gradebook.db", course_dir / "source" / QUIZ):
         attempt = as_account(student_b, "ls", str(private))
         assert attempt.returncode != 0 and "Permission denied" in attempt.stderr, private
+
+
+# --- a student's notebook code never runs as the instructor (autograde in the grading sandbox) --------------------
+
+# Student B's quiz: each answer cell attacks the instructor who autogrades it, and would earn its points if the
+# attack worked (a cell that forks without end stops its kernel: tests/test_kernel_sandbox.py). {course}, {gradebook}, {home} and {hub} are filled in with the class's real paths and address.
+ATTACKS = {
+    "q1-answer": '''import os, re
+ANSWER_Q1 = {{"f"}}  # wrong, unless the instructor's source can be read
+for path in ["{course}/source/quiz/quiz.ipynb", os.path.expanduser("~/nbgrader-course/source/quiz/quiz.ipynb")]:
+    try:
+        ANSWER_Q1 = eval(re.search(r"ANSWER_Q1 = (\\{{[^}}]*\\}})", open(path).read()).group(1))
+        print("READ-THE-SOURCE", path)
+    except OSError as error:
+        print("no source:", type(error).__name__)''',
+    "q2-answer": '''ANSWER_Q2 = "b"
+for target in ["{gradebook}", "{home}/pwned.txt", "{course}/pwned.txt"]:
+    try:
+        with open(target, "a") as written:
+            written.write("pwned")
+        print("WROTE", target)
+    except OSError as error:
+        print("refused:", type(error).__name__)''',
+    "q3-answer": '''import os, urllib.request
+ANSWER_Q3 = {{"c"}}  # wrong, unless the Hub answers with the instructor's token
+token = os.environ.get("JUPYTERHUB_API_TOKEN", "")
+print("TOKEN:" + token)
+try:
+    request = urllib.request.Request("{hub}/hub/api/user", headers={{"Authorization": "token " + token}})
+    print("HUB-API-REACHED", urllib.request.urlopen(request, timeout=5).read()[:200])
+    ANSWER_Q3 = {{"a", "b", "d", "f", "g"}}
+except Exception as error:
+    print("no hub:", type(error).__name__)''',
+    "q4-answer": '''while True:  # never return
+    pass''',
+    "q6-answer": '''from IPython.display import HTML, display
+display(HTML('<img src="x" onerror="window.stolen = document.cookie"><script>window.stolen = 1</script><b>SHOWN-TO-THE-INSTRUCTOR</b>'))
+ANSWER_Q6 = {{"a", "b", "d"}}''',
+}
+# Right answers for the rest, so that the notebook still earns what it should after the attacks.
+ATTACKED_SCORES = {"q1-tests": 0, "q2-tests": 1, "q3-tests": 0, "q4-tests": 0, "q5-tests": 2, "q6-tests": 2,
+                   "q7-tests": 1, "q8-tests": 2}
+CELL_TIMEOUT_S = 20
+
+
+def server_token(name: str) -> str:
+    """The Hub API token in the environment of ``name``'s JupyterLab (what a terminal of theirs inherits)."""
+    uid = pwd.getpwnam(name).pw_uid
+    for process in psutil.process_iter(["uids", "cmdline"]):
+        if process.info["uids"] and process.info["uids"].real == uid and \
+                any("jupyterhub-singleuser" in part for part in process.info["cmdline"] or []):
+            token = process.environ().get("JUPYTERHUB_API_TOKEN")
+            if token:
+                return token
+    pytest.fail(f"no running server of {name} with a Hub token")
+
+
+@pytest.fixture(scope="module")
+def attacked_and_graded(hub, accounts, graded_quiz, course_dir):
+    """B fetches the quiz and submits the attacks (by nbgrader's own commands, as B); the instructor, from a
+    terminal of their JupyterLab (its Hub token in the environment), collects and autogrades the class."""
+    instructor, student_b = accounts["instructor"], accounts["student_b"]
+    logged_in_server(hub, instructor)
+    token = server_token(instructor)
+    nbgrader_as(student_b, "fetch_assignment", QUIZ)
+    fetched = Path(pwd.getpwnam(student_b).pw_dir) / QUIZ / "quiz.ipynb"
+    notebook = nbformat.read(fetched, as_version=4)
+    answers = solutions(SOURCE_QUIZ)
+    filled = {"course": course_dir, "gradebook": course_dir / "gradebook.db", "hub": hub.url,
+              "home": pwd.getpwnam(instructor).pw_dir}
+    for cell in notebook.cells:
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if grade_id in ATTACKS:
+            cell.source = ATTACKS[grade_id].format(**filled)
+        elif grade_id in answers:
+            cell.source = answers[grade_id]
+    written = as_account(student_b, "python3", "-c", "import sys; open(sys.argv[1], 'w').write(sys.stdin.read())",
+                         str(fetched), input=nbformat.writes(notebook))
+    assert written.returncode == 0, written.stderr
+    nbgrader_as(student_b, "submit", QUIZ)
+    nbgrader_as(instructor, "collect", QUIZ)
+    graded = as_account(instructor, str(HUB_VENV / "bin" / "nbgrader"), "autograde", QUIZ,
+                        f"--Execute.timeout={CELL_TIMEOUT_S}",
+                        extra_env={"JUPYTERHUB_API_TOKEN": token, "JUPYTERHUB_API_URL": f"{hub.url}/hub/api"})
+    assert graded.returncode == 0, graded.stdout[-3000:] + graded.stderr[-3000:]
+    autograded = course_dir / "autograded" / student_b / QUIZ / "quiz.ipynb"
+    outputs = [output for cell in nbformat.read(autograded, as_version=4).cells for output in cell.get("outputs", [])]
+    said = "\n".join(output.get("text", "") + str(output.get("data", {}).get("text/plain", "")) +
+                     (f"{output.ename}: {output.evalue}" if output.output_type == "error" else "")
+                     for output in outputs)
+    return {"token": token, "said": said, "notebook": autograded.read_text(), "log": graded.stdout + graded.stderr,
+            "homes": {name: pwd.getpwnam(name).pw_dir for name in accounts.values()}}
+
+
+def test_a_students_attacks_on_the_autograding_instructor_are_contained_and_graded(accounts, course_dir,
+                                                                                    attacked_and_graded):
+    student_a, student_b = accounts["student_a"], accounts["student_b"]
+    said = attacked_and_graded["said"]  # what B's cells printed while they were graded
+    assert "READ-THE-SOURCE" not in said and "no source: FileNotFoundError" in said
+    assert "WROTE" not in said and "refused: FileNotFoundError" in said
+    assert not (course_dir / "pwned.txt").exists()
+    assert not (Path(attacked_and_graded["homes"][accounts["instructor"]]) / "pwned.txt").exists()
+    assert attacked_and_graded["token"] not in attacked_and_graded["notebook"] and "TOKEN:\n" in said
+    assert "HUB-API-REACHED" not in said and "no hub: URLError" in said
+    assert "KeyboardInterrupt" in said, "the cell that never returns was interrupted"
+    with Gradebook(f"sqlite:///{course_dir / 'gradebook.db'}", course_id=COURSE_ID) as gradebook:
+        for grade_id, points in ATTACKED_SCORES.items():
+            assert gradebook.find_grade(grade_id, QUIZ, QUIZ, student_b).score == points, grade_id
+        assert gradebook.find_submission(QUIZ, student_b).score == sum(ATTACKED_SCORES.values())
+        assert gradebook.find_submission(QUIZ, student_a).score == QUIZ_MAX_SCORE, "A's grade is untouched"
+    # Nothing B's kernel started outlives the grading.
+    assert not [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and 61000 <= p.info["uids"].real < 62000]
+
+
+def test_the_formgrader_shows_a_students_html_sanitised(hub, accounts, course_dir, attacked_and_graded):
+    session, server, headers = logged_in_server(hub, accounts["instructor"])
+    listed = session.get(f"{server}/formgrader/api/submitted_notebooks/{QUIZ}/quiz", headers=headers, timeout=60)
+    assert listed.status_code == 200, listed.text
+    submission = next(entry for entry in listed.json() if entry["student"] == accounts["student_b"])
+    page = session.get(f"{server}/formgrader/submissions/{submission['id']}/", headers=headers, timeout=120)
+    assert page.status_code == 200, page.text[:2000]
+    # The output is rendered as HTML (its harmless part shows), the script and the handler are gone; the cell's
+    # source, shown escaped, is text.
+    assert "<b>SHOWN-TO-THE-INSTRUCTOR</b>" in page.text
+    assert "<script>window.stolen" not in page.text
+    assert not re.search(r"<img[^>]*onerror", page.text), "an event handler of the student's reached the page"

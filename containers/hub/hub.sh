@@ -96,6 +96,15 @@ if ! dpkg-query -W -f='${Status}' node-configurable-http-proxy 2>/dev/null | gre
     } || fail $EXIT_FAILED "apt-get could not install node-configurable-http-proxy."
 fi
 
+# sudo: instructors start each kernel that grades a student's notebook through it (below).
+if ! command -v sudo >/dev/null 2>&1 || ! command -v visudo >/dev/null 2>&1; then
+    say "Installing Debian's sudo"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq --no-install-recommends sudo >/dev/null 2>&1 || {
+        apt-get update -qq && apt-get install -y -qq --no-install-recommends sudo >/dev/null
+    } || fail $EXIT_FAILED "apt-get could not install sudo."
+fi
+
 # The grader's account, and the class's groups (`scalelab class` fills them).
 if ! getent passwd scalelab >/dev/null; then
     say "Creating the system account scalelab (the grader)"
@@ -224,6 +233,22 @@ directory, lab_tools, server_tools = Path(sys.argv[1]), sys.argv[2].split(), sys
     json.dumps({"ServerApp": {"jpserver_extensions": {tool: True for tool in server_tools}}}, indent=2) + "\n")
 PY
 ) || fail $EXIT_FAILED "jupyter could not turn nbgrader's instructor tools off for students in $HUB_VENV."
+
+# Autograding runs each student's notebook in the grading sandbox as a throw-away uid, which takes root: instructors
+# may run exactly this helper as root, nothing else (scalelab.grader.nbgrading.kernel_sandbox checks that the
+# folders it is given are the caller's own). Root's files: the wrapper, the rule and the venv it runs.
+kernel_helper=/usr/local/sbin/scalelab-kernel-sandbox
+kernel_rule=/etc/sudoers.d/scalelab-kernel-sandbox
+printf '#!/bin/sh\n# Installed by ScaleLab'"'"'s make hub: a grading kernel in its sandbox (see %s).\nexec %s -I -m scalelab.grader.nbgrading.kernel_sandbox "$@"\n' \
+    "$kernel_rule" "$HUB_VENV/bin/python" > "$kernel_helper.new"
+chown root:root "$kernel_helper.new"
+chmod 0755 "$kernel_helper.new"
+mv "$kernel_helper.new" "$kernel_helper"
+printf '# Installed by ScaleLab'"'"'s make hub: instructors start grading kernels in the sandbox, as root, without a password.\n%%scalelab-instructors ALL=(root) NOPASSWD: %s\n' \
+    "$kernel_helper" > "$kernel_rule.new"
+chmod 0440 "$kernel_rule.new"
+visudo -cqf "$kernel_rule.new" || fail $EXIT_FAILED "visudo refused the rule for $kernel_helper."
+mv "$kernel_rule.new" "$kernel_rule"
 
 # The instructor's material in the checkout is no student's business: solutions, hidden tests, the gradebook.
 for private in labs/source assessment/solution labs/gradebook.db labs/submitted labs/autograded labs/feedback; do

@@ -1,0 +1,156 @@
+"""The sandbox autograding runs students' notebooks in (scalelab.grader.nbgrading): each kernel through the real
+helper and bubblewrap, driven by nbclient as nbgrader drives it. A notebook's code gets a throw-away uid, a copy of
+its folder, no network, no secret and none of the course's files; a cell that never returns or forks without end
+is stopped and the next cell runs; memory and time are bounded per notebook. As root, as CI runs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import DeadKernelError
+from nbformat.v4 import new_code_cell, new_notebook
+
+from conftest import PROJECT_ROOT
+from scalelab.grader.nbgrading import kernel_sandbox
+from scalelab.grader.nbgrading.sandboxed_execute import SandboxedKernelManager
+from scalelab.grader.sandbox import SANDBOX_UID_RANGE
+
+
+SOURCE_NOTEBOOK = PROJECT_ROOT / "labs" / "source" / "quiz" / "quiz.ipynb"
+
+
+def run_notebook(folder: Path, cells: list[str], timeout: int = 60, **manager_settings) -> list[str]:
+    """What each cell said: its error (name: value) if it ended in one, else its text output; executed in the
+    sandbox with ``folder`` as its folder, as nbgrader's Execute does (interrupted at the timeout)."""
+    notebook = new_notebook(cells=[new_code_cell(source) for source in cells])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    client = NotebookClient(notebook, timeout=timeout, kernel_manager_class=SandboxedKernelManager, allow_errors=True,
+                            interrupt_on_timeout=True, raise_on_iopub_timeout=True,
+                            resources={"metadata": {"path": str(folder)}})
+    for name, value in manager_settings.items():
+        client.config.SandboxedKernelManager[name] = value
+    client.execute()
+    said = []
+    for cell in notebook.cells:
+        errors = [f"{output.ename}: {output.evalue}" for output in cell.outputs if output.output_type == "error"]
+        printed = "".join(output.get("text", "") + str(output.get("data", {}).get("text/plain", ""))
+                          for output in cell.outputs)
+        said.append(errors[-1] if errors else printed.strip())
+    return said
+
+
+def sandbox_uid_processes() -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real in SANDBOX_UID_RANGE]
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    if os.geteuid() != 0:
+        pytest.fail("the throw-away uid needs root: run these tests as root (CI does)")
+    notebook_folder = tmp_path / "submitted" / "alice" / "quiz"
+    notebook_folder.mkdir(parents=True)
+    (notebook_folder / "data.txt").write_text("the student's own file\n")
+    return notebook_folder
+
+
+def test_a_kernel_runs_as_a_throwaway_uid_without_secrets_network_or_the_course(folder, monkeypatch):
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "instructors-hub-token-0123")
+    monkeypatch.setenv("SCALELAB_SECRET_KEY", "do-not-leak")
+    monkeypatch.setenv("OMPI_MCA_btl", "self,vader")  # the course's Open MPI settings do pass
+    (folder / "source-link.ipynb").symlink_to(SOURCE_NOTEBOOK)
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
+    said = run_notebook(folder, [
+        "import os; print(os.getuid(), os.geteuid(), os.getgroups())",
+        "print(sorted(os.environ))",
+        f"print(os.path.exists({str(SOURCE_NOTEBOOK)!r}), os.path.exists('/root'), os.path.exists({str(PROJECT_ROOT / 'assessment' / 'solution')!r}))",
+        "print(open('source-link.ipynb').read()[:100])",
+        f"import socket; socket.create_connection(('127.0.0.1', {listener.getsockname()[1]}), timeout=3)",
+        "print(open('data.txt').read())",
+    ])
+    uid, euid, groups = said[0].split(" ", 2)
+    assert int(uid) == int(euid) and int(uid) in SANDBOX_UID_RANGE and groups == "[]"
+    assert "JUPYTERHUB_API_TOKEN" not in said[1] and "SCALELAB_SECRET_KEY" not in said[1] and "OMPI_MCA_btl" in said[1]
+    assert said[2] == "False False False"
+    assert said[3].startswith("FileNotFoundError"), "the link in the folder leads nowhere inside"
+    assert said[4].startswith("ConnectionRefusedError") and not accepted, "the host's loopback is out of reach"
+    assert said[5] == "the student's own file"
+
+
+def test_what_a_notebook_writes_stays_in_its_copy_and_nothing_of_it_survives(folder):
+    said = run_notebook(folder, [
+        "open('written.txt', 'w').write('x'); os_ = __import__('os'); os_.symlink('/etc/passwd', 'planted.ipynb')",
+        "import subprocess; subprocess.Popen(['sleep', '600']); print('started')",
+    ])
+    assert said == ["", "started"]
+    assert sorted(path.name for path in folder.iterdir()) == ["data.txt"]
+    assert not sandbox_uid_processes(), "the kernel's processes outlive its notebook"
+
+
+def test_a_cell_that_never_returns_is_interrupted_and_the_next_cell_runs(folder):
+    said = run_notebook(folder, [
+        "import subprocess\nsubprocess.Popen(['sleep', '600'])\nwhile True:\n    pass",
+        "print('still grading')",
+    ], timeout=10)
+    assert said[0].startswith("KeyboardInterrupt"), said[0]
+    assert said[1] == "still grading"
+    assert not sandbox_uid_processes()
+
+
+def test_a_cell_that_forks_without_end_stops_its_kernel_with_a_clear_error(folder):
+    """An interrupt that lands in one of Python's at-fork callbacks is swallowed, so a forking loop may not stop:
+    the helper then stops the whole kernel (nbgrader reports the notebook's error) and nothing of it is left."""
+    with pytest.raises(DeadKernelError):
+        run_notebook(folder, ["import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+                              "print('never')"], timeout=10)
+    assert not sandbox_uid_processes()
+
+
+def test_a_notebook_over_its_memory_is_stopped(folder):
+    assert kernel_sandbox.KernelCgroups.available(), "this machine lets root make a memory cgroup"
+    with pytest.raises(DeadKernelError):
+        run_notebook(folder, ["hog = b'x' * (2 * 1024**3)", "print('survived')"],
+                     memory_limit_bytes=400 * 1024**2)
+    assert not sandbox_uid_processes()
+
+
+def test_a_notebook_over_its_time_is_stopped(folder):
+    with pytest.raises(DeadKernelError):
+        run_notebook(folder, ["import time; time.sleep(120)"], timeout=300, time_limit_s=8)
+    assert not sandbox_uid_processes()
+
+
+def test_the_helper_takes_only_folders_that_belong_to_its_caller(folder, tmp_path):
+    """Under sudo the caller is SUDO_UID: a folder of root's (or a link) is refused before anything runs."""
+    work, sockets = tmp_path / "work", tmp_path / "sockets"
+    work.mkdir()
+    sockets.mkdir()
+    nobody = 65534
+    helper = [sys.executable, "-I", "-m", "scalelab.grader.nbgrading.kernel_sandbox"]
+    refused = subprocess.run([*helper, "--work", str(work), "--sockets", str(sockets), "--", "true"],
+                             env={"SUDO_UID": str(nobody), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == kernel_sandbox.EXIT_BAD_ARGUMENTS
+    assert "does not belong to the caller" in refused.stderr
+    (tmp_path / "link").symlink_to(work)
+    refused = subprocess.run([*helper, "--work", str(tmp_path / "link"), "--sockets", str(sockets), "--", "true"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == kernel_sandbox.EXIT_BAD_ARGUMENTS and "not a directory of yours" in refused.stderr
+
+
+def test_only_allowed_names_reach_the_kernels_environment():
+    passed = kernel_sandbox.allowed_environment({
+        "JUPYTERHUB_API_TOKEN": "t", "JPY_API_TOKEN": "t", "HOROVOD_SECRET_KEY": "k", "AWS_SECRET_ACCESS_KEY": "k",
+        "OMPI_MCA_pml": "ob1", "SCALELAB_CIFAR10_DIR": "/data", "LANG": "C.UTF-8", "HOME": "/home/instructor",
+        "NBGRADER_EXECUTION": "autograde", "TF_CPP_MIN_LOG_LEVEL": "2", "SSH_AUTH_SOCK": "/tmp/agent"})
+    assert passed == {"OMPI_MCA_pml": "ob1", "SCALELAB_CIFAR10_DIR": "/data", "LANG": "C.UTF-8",
+                      "NBGRADER_EXECUTION": "autograde", "TF_CPP_MIN_LOG_LEVEL": "2"}
