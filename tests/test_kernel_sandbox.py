@@ -154,3 +154,14 @@ def test_only_allowed_names_reach_the_kernels_environment():
         "NBGRADER_EXECUTION": "autograde", "TF_CPP_MIN_LOG_LEVEL": "2", "SSH_AUTH_SOCK": "/tmp/agent"})
     assert passed == {"OMPI_MCA_pml": "ob1", "SCALELAB_CIFAR10_DIR": "/data", "LANG": "C.UTF-8",
                       "NBGRADER_EXECUTION": "autograde", "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def test_the_data_folder_the_caller_names_is_shown_read_only(folder, tmp_path, monkeypatch):
+    data = tmp_path / "staged" / "cifar-10-batches-py"
+    data.mkdir(parents=True)
+    (data / "batches.meta").write_text("meta")
+    monkeypatch.setenv("SCALELAB_CIFAR10_DIR", str(data.parent))
+    said = run_notebook(folder, [f"print(sorted(__import__('os').listdir({str(data)!r})))",
+                                 f"open({str(data / 'batches.meta')!r}, 'a').write('x')"])
+    assert said[0] == "['batches.meta']"
+    assert said[1].startswith(("OSError", "PermissionError")), said[1]

@@ -48,6 +48,7 @@ ALLOWED_NAMES = frozenset({"LANG", "LANGUAGE", "TZ", "NBGRADER_EXECUTION", "PYTH
                            "SCALELAB_CIFAR10_DIR", "SCALELAB_FASHION_MNIST_DIR", "OMPI_ALLOW_RUN_AS_ROOT",
                            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "JPY_PARENT_PID"})
 ALLOWED_PREFIXES = ("LC_", "OMPI_MCA_", "HOROVOD_", "TF_CPP_")
+DATA_SETTINGS = ("SCALELAB_CIFAR10_DIR", "SCALELAB_FASHION_MNIST_DIR")
 # A name that looks like a credential never passes, whatever its prefix.
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL|COOKIE|AUTH", re.IGNORECASE)
 # Counted on the kernel's own uid; threads count too (TensorFlow starts dozens per process, lab 3 runs two ranks).
@@ -106,7 +107,11 @@ def readable_by_everyone(path: Path) -> bool:
         return False
 
 
-def data_binds(for_sudo_caller: bool) -> list[sandbox_module.Bind]:
+def data_binds(passed: dict[str, str], for_sudo_caller: bool) -> list[sandbox_module.Bind]:
+    """The course's data directories, read-only; the caller's data settings count (sudo drops its environment)."""
+    for name in DATA_SETTINGS:
+        if passed.get(name):
+            os.environ[name] = passed[name]
     directories = [d for d in sandbox_module.data_directories() if d.is_dir()]
     if for_sudo_caller:
         directories = [d for d in directories if readable_by_everyone(d)]
@@ -397,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     cgroups = KernelCgroups(arguments.memory_limit, enabled=kernel_uid is not None)
     work, sockets = Path(arguments.work), Path(arguments.sockets)
     binds = [sandbox_module.Bind(work, work, writable=True, fd=work_fd),
-             sandbox_module.Bind(sockets, sockets, writable=True, fd=sockets_fd), *data_binds(under_sudo)]
+             sandbox_module.Bind(sockets, sockets, writable=True, fd=sockets_fd), *data_binds(passed, under_sudo)]
     # Sockets the kernel makes must be open to the caller, another uid: the directory keeps everyone else out.
     wrapped = ["/bin/sh", "-c", 'umask 000 && exec "$@"', "kernel", *command]
     try:
