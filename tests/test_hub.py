@@ -220,20 +220,35 @@ def test_make_hub_with_its_port_in_use_stops_with_a_sentence():
         assert script.returncode == 3 and script.stderr.strip() == sentence
 
 
-@pytest.mark.parametrize("loose", ["group-writable fragment", "fragment of another account"])
+@pytest.mark.parametrize("loose", ["group-writable fragment", "fragment of another account",
+                                   "link to a file of root's", "folder above hub.d another account may write"])
 def test_a_site_fragment_another_account_could_change_stops_the_hub_before_it_serves(tmp_path, loose):
-    """The Hub runs HUB_CONFIG_D's files as root: one that someone else could write is refused, and nothing runs."""
+    """The Hub runs HUB_CONFIG_D's files as root: one that someone else could write or swap is refused (a link is
+    never followed, every folder above is checked), and nothing runs."""
     from hubtools import free_port
 
-    config_d = tmp_path / "hub.d"
+    above = tmp_path / "site"
+    above.mkdir(mode=0o755)
+    config_d = above / "hub.d"
     config_d.mkdir(mode=0o755)
     proof = tmp_path / "ran"
     fragment = config_d / "50-site.py"
-    fragment.write_text(f"open({str(proof)!r}, 'w').close()\n")
+    code = f"open({str(proof)!r}, 'w').close()\n"
+    refusal = f"{fragment} is not root's alone"
+    if loose == "link to a file of root's":
+        elsewhere = tmp_path / "elsewhere.py"
+        elsewhere.write_text(code)
+        fragment.symlink_to(elsewhere)
+        refusal = f"{fragment} cannot be read as a file of root's: a symbolic link"
+    else:
+        fragment.write_text(code)
     if loose == "group-writable fragment":
         fragment.chmod(0o664)
-    else:
+    elif loose == "fragment of another account":
         os.chown(fragment, pwd.getpwnam("nobody").pw_uid, -1)
+    elif loose == "folder above hub.d another account may write":
+        above.chmod(0o777)
+        refusal = f"{above} is not root's alone"
     port = free_port()
     started = subprocess.run(
         ["make", "hub", f"HUB_PORT={port}", f"HUB_PROXY_API_PORT={free_port()}", f"HUB_INTERNAL_PORT={free_port()}",
@@ -242,5 +257,5 @@ def test_a_site_fragment_another_account_could_change_stops_the_hub_before_it_se
         env={**os.environ, "SCALELAB_SERVICE_STATE": str(tmp_path / "service"),
              "SCALELAB_SERVICE_PORT": str(free_port())})
     assert started.returncode != 0
-    assert f"{fragment} is not root's alone" in started.stdout + started.stderr, started.stderr[-3000:]
+    assert refusal in started.stdout + started.stderr, started.stderr[-3000:]
     assert not proof.exists()

@@ -20,6 +20,7 @@ import secrets
 from pathlib import Path
 
 from scalelab.classroom import HUB_INSTRUCTORS_GROUP, ROLE_GROUPS, in_group
+from scalelab.grader.service.site_fragments import UntrustedFragment, trusted_fragments
 
 c = get_config()  # noqa: F821 — provided by JupyterHub when it loads this file
 
@@ -165,12 +166,12 @@ c.Spawner.environment["JUPYTER_CONFIG_PATH"] = lambda spawner: (
 
 # --- the site's own additions (HUB_CONFIG_D), last, so that they can change anything above ------------------------
 # Run as part of this file (they see `c` and the names above, e.g. `assess_service`, the grader service's entry).
-# Root's to write: the Hub runs as root and executes them. A file any other account could change is refused.
+# Root's to write: the Hub runs as root and executes them. A file any other account could change or swap (a link,
+# a folder above it that is not root's alone) is refused: scalelab.grader.service.site_fragments.
 site_config = Path(os.environ.get("SCALELAB_HUB_CONFIG_D", "/etc/scalelab/hub.d"))
-for fragment in sorted(site_config.glob("*.py")) if site_config.is_dir() else []:
-    for checked in (fragment, site_config):
-        owner = checked.stat()
-        if owner.st_uid != 0 or owner.st_mode & 0o022:
-            raise SystemExit(f"jupyterhub_config.py: {checked} is not root's alone (owner uid {owner.st_uid}, mode "
-                             f"{owner.st_mode & 0o777:o}); the Hub would run what another account wrote.")
-    exec(compile(fragment.read_text(), str(fragment), "exec"), globals())  # noqa: S102 — root's own config
+try:
+    site_fragments = trusted_fragments(site_config)
+except UntrustedFragment as refusal:
+    raise SystemExit(f"jupyterhub_config.py: {refusal}; the Hub would run what another account wrote.") from None
+for fragment, text in site_fragments:
+    exec(compile(text, str(fragment), "exec"), globals())  # noqa: S102 — root's own config, checked as opened
