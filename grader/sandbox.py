@@ -81,9 +81,10 @@ def software_paths() -> list[Path]:
     return sorted(path for path in paths if not any(other != path and _is_under(path, other) for other in paths))
 
 
-def data_directories() -> list[Path]:
-    """Every place the course's data sets may be read from."""
-    return sorted({Path(d).resolve() for d in [*course_data.cifar10_dirs(), *course_data.fashion_mnist_dirs()]})
+def data_directories(cifar10_dir: str | None = None, fashion_mnist_dir: str | None = None) -> list[Path]:
+    """Every place the course's data sets may be read from (the settings given, else the environment's)."""
+    return sorted({Path(d).resolve() for d in [*course_data.cifar10_dirs(cifar10_dir),
+                                               *course_data.fashion_mnist_dirs(fashion_mnist_dir)]})
 
 
 def _is_under(path: Path, ancestor: Path) -> bool:

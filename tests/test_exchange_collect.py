@@ -300,7 +300,7 @@ def test_update_puts_a_newer_submission_in_place_with_groupshared_permissions(co
 @pytest.mark.parametrize("course", [None], indirect=True, ids=["nbgrader's own collect"])
 @pytest.mark.parametrize("attack", ["link to the source", "garbage name"])
 def test_documents_the_holes_in_nbgraders_own_collect(course, attack):
-    """Not the course's behaviour: what nbgrader 0.9.6's collect does with the same folders (issue 27 §0)."""
+    """Not the course's behaviour: what nbgrader 0.9.6's collect does with the same folders."""
     course.submit("bob", "answer = 'bob-honest'")
     if attack == "link to the source":
         symlink_to_source(course)

@@ -21,6 +21,7 @@ import pytest
 from nbgrader.api import Gradebook
 
 from conftest import PROJECT_ROOT
+from scalelab.grader.sandbox import SANDBOX_UID_RANGE
 from hubtools import HUB_VENV, accounts, hub, logged_in_server  # noqa: F401 — accounts and hub are fixtures
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -331,7 +332,7 @@ def test_a_students_attacks_on_the_autograding_instructor_are_contained_and_grad
         assert gradebook.find_submission(QUIZ, student_b).score == sum(ATTACKED_SCORES.values())
         assert gradebook.find_submission(QUIZ, student_a).score == QUIZ_MAX_SCORE, "A's grade is untouched"
     # Nothing B's kernel started outlives the grading.
-    assert not [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and 61000 <= p.info["uids"].real < 62000]
+    assert not [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real in SANDBOX_UID_RANGE]
 
 
 def test_the_formgrader_shows_a_students_html_sanitised(hub, accounts, course_dir, attacked_and_graded):

@@ -1,4 +1,4 @@
-"""nbgrader's collect, made safe for an inbound/ that every student can write (issue 27 §0).
+"""nbgrader's collect, made safe for an inbound/ that every student can write.
 
 nbgrader 0.9.6 collects a folder of inbound/ with shutil.copytree, which follows links, takes the owner and the
 time in the folder's name on trust, and stops the whole class's collect at the first name it cannot parse. Here each

@@ -48,7 +48,6 @@ ALLOWED_NAMES = frozenset({"LANG", "LANGUAGE", "TZ", "NBGRADER_EXECUTION", "PYTH
                            "SCALELAB_CIFAR10_DIR", "SCALELAB_FASHION_MNIST_DIR", "OMPI_ALLOW_RUN_AS_ROOT",
                            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "JPY_PARENT_PID"})
 ALLOWED_PREFIXES = ("LC_", "OMPI_MCA_", "HOROVOD_", "TF_CPP_")
-DATA_SETTINGS = ("SCALELAB_CIFAR10_DIR", "SCALELAB_FASHION_MNIST_DIR")
 # A name that looks like a credential never passes, whatever its prefix.
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL|COOKIE|AUTH", re.IGNORECASE)
 # Counted on the kernel's own uid; threads count too (TensorFlow starts dozens per process, lab 3 runs two ranks).
@@ -84,15 +83,19 @@ def caller_uid() -> int:
     return os.getuid()
 
 
+class Refused(Exception):
+    """An argument the helper will not act on; the message says why."""
+
+
 def open_callers_directory(path: str, uid: int) -> int:
     """An fd on ``path``, a directory (not a link) that belongs to ``uid``; the sandbox shows that fd."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as error:
-        raise SystemExit(f"kernel_sandbox: {path}: not a directory of yours ({error.strerror})") from None
+        raise Refused(f"{path}: not a directory of yours ({error.strerror})") from None
     if os.fstat(fd).st_uid != uid:
         os.close(fd)
-        raise SystemExit(f"kernel_sandbox: {path} does not belong to the caller (uid {uid})")
+        raise Refused(f"{path} does not belong to the caller (uid {uid})")
     return fd
 
 
@@ -100,7 +103,8 @@ def readable_by_everyone(path: Path) -> bool:
     """Whether every account may read ``path``, a directory: what the helper may show for a caller under sudo."""
     try:
         resolved = path.resolve(strict=True)
-        if not stat.S_ISDIR(resolved.stat().st_mode) or resolved.stat().st_mode & 0o005 != 0o005:
+        mode = resolved.stat().st_mode
+        if not stat.S_ISDIR(mode) or mode & 0o005 != 0o005:
             return False
         return all(parent.stat().st_mode & 0o001 for parent in resolved.parents)
     except OSError:
@@ -109,10 +113,9 @@ def readable_by_everyone(path: Path) -> bool:
 
 def data_binds(passed: dict[str, str], for_sudo_caller: bool) -> list[sandbox_module.Bind]:
     """The course's data directories, read-only; the caller's data settings count (sudo drops its environment)."""
-    for name in DATA_SETTINGS:
-        if passed.get(name):
-            os.environ[name] = passed[name]
-    directories = [d for d in sandbox_module.data_directories() if d.is_dir()]
+    directories = sandbox_module.data_directories(passed.get("SCALELAB_CIFAR10_DIR") or None,
+                                                  passed.get("SCALELAB_FASHION_MNIST_DIR") or None)
+    directories = [d for d in directories if d.is_dir()]
     if for_sudo_caller:
         directories = [d for d in directories if readable_by_everyone(d)]
     return [sandbox_module.Bind(d, d) for d in directories]
@@ -315,15 +318,8 @@ def stop_all_but(leader: int, kernel_pid: int) -> None:
             except psutil.Error:
                 pass
     for process in stopped.values():
-        _kill(process)
+        _send(process, signal.SIGKILL)
     psutil.wait_procs(list(stopped.values()), timeout=2)
-
-
-def _kill(process: psutil.Process) -> None:
-    try:
-        process.kill()
-    except psutil.Error:
-        pass
 
 
 def _name(process: psutil.Process) -> str:
@@ -343,7 +339,7 @@ def kill_everything(leader: subprocess.Popen, uid: int | None) -> None:
             signal_every_process_of(uid, signal.SIGKILL)
         left = sandbox_processes(leader.pid) + (processes_of(uid) if uid is not None else [])
         for process in left:
-            _kill(process)
+            _send(process, signal.SIGKILL)
         if not left and leader.poll() is not None:
             return
         psutil.wait_procs(left, timeout=0.5)
@@ -393,8 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         work_fd = open_callers_directory(arguments.work, uid)
         sockets_fd = open_callers_directory(arguments.sockets, uid)
-    except SystemExit as refusal:
-        print(refusal, file=sys.stderr)
+    except Refused as refusal:
+        print(f"kernel_sandbox: {refusal}", file=sys.stderr)
         return EXIT_BAD_ARGUMENTS
     kernel_uid = sandbox_module.allocate_uid()
     private_dir = Path(tempfile.mkdtemp(prefix="scalelab-kernel-"))
@@ -440,8 +436,8 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 pass
     finally:
+        cgroups.freeze(False)  # a frozen process dies only once thawed
         kill_everything(leader, kernel_uid)
-        cgroups.freeze(False)
         cgroups.remove()
         empty_directory(work_fd)
         sandbox_module.release_uid(kernel_uid)

@@ -11,6 +11,7 @@ Interrupts, terminate and kill travel to the helper on its standard input (under
 
 from __future__ import annotations
 
+import grp
 import os
 import secrets
 import shutil
@@ -24,6 +25,7 @@ from typing import Any
 from jupyter_client.provisioning import LocalProvisioner
 from traitlets import Float, Integer, List, Unicode, default
 
+from scalelab.classroom import ROLE_GROUPS
 from scalelab.grader.nbgrading.kernel_sandbox import DEFAULT_MEMORY_LIMIT_BYTES, DEFAULT_TIME_LIMIT_S, \
     allowed_environment
 from scalelab.headless import Execute as PollingExecute, PollingKernelManager
@@ -33,11 +35,18 @@ PRIVILEGED_HELPER = "/usr/local/sbin/scalelab-kernel-sandbox"
 
 
 def helper_command() -> list[str]:
-    """How this process starts the helper: itself as root, through sudo where the Hub set that up, else itself."""
-    own = [sys.executable, "-I", "-m", "scalelab.grader.nbgrading.kernel_sandbox"]
-    if os.geteuid() != 0 and os.path.exists(PRIVILEGED_HELPER) and shutil.which("sudo"):
+    """How this process starts the helper: itself as root; through sudo for an instructor where the Hub installed
+    the rule; else itself, as the caller."""
+    if os.geteuid() != 0 and os.path.exists(PRIVILEGED_HELPER) and shutil.which("sudo") and in_instructors_group():
         return ["sudo", "-n", PRIVILEGED_HELPER]
-    return own
+    return [sys.executable, "-I", "-m", "scalelab.grader.nbgrading.kernel_sandbox"]
+
+
+def in_instructors_group() -> bool:
+    try:
+        return grp.getgrnam(ROLE_GROUPS["instructor"]).gr_gid in os.getgroups()
+    except KeyError:
+        return False
 
 
 class SandboxProvisioner(LocalProvisioner):
