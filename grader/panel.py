@@ -202,8 +202,9 @@ def status_text(job: dict | None) -> str:
     state = job["state"]
     if state == "queued":
         position = job.get("position")
-        return (f"Assessment {job['id']}: queued, position {position} in the queue." if position
-                else f"Assessment {job['id']}: queued.")
+        again = " again (the grader stopped while it ran; it is graded from scratch)" if job.get("reruns") else ""
+        return (f"Assessment {job['id']}: queued{again}, position {position} in the queue." if position
+                else f"Assessment {job['id']}: queued{again}.")
     if state == "running":
         progress = job.get("progress") or {}
         if progress.get("state") == "queued":  # the Slurm backend: the job waits in Slurm's own queue

@@ -15,10 +15,14 @@ Rules the queue keeps:
   until ``min_seconds_between_submissions`` have passed since that student's previous one; checked in the same
   transaction as the submit, so it holds across servers sharing the database.
 - **FIFO across students**: a claim always takes the oldest queued job (ids are assigned in arrival order).
-- **Orphans are found, never re-queued**: :meth:`AssessQueue.orphaned_running_jobs` lists the running jobs whose
-  server (of this host) is gone, for the workers to settle; a job never goes back to ``queued``.
+- **Orphans are found and settled by the workers**: :meth:`AssessQueue.orphaned_running_jobs` lists the running
+  jobs whose server (of this host) is gone. A job the server stopped under goes back to ``queued`` at the front
+  (:meth:`AssessQueue.requeue`: its run is graded again from scratch, never resumed, and its ``reruns`` say when
+  and why), a bounded number of times.
+- **Re-queued jobs first**: a claim takes a re-queued job before any other, then the oldest queued job.
 
-States: ``queued`` → ``running`` → ``done`` (with the verdict JSON) or ``interrupted`` (with a reason).
+States: ``queued`` → ``running`` → ``done`` (with the verdict JSON) or ``interrupted`` (with a reason); a running
+job may go back to ``queued`` once its server stops under it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import time
 from pathlib import Path
 
 import psutil
-from sqlalchemy import Float, Index, Integer, String, Text, create_engine, event, func, select, text, update
+from sqlalchemy import (Float, Index, Integer, String, Text, create_engine, event, func, inspect, or_, select, text,
+                        update)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
@@ -79,6 +84,8 @@ class AssessJob(Base):
     verdict: Mapped[str | None] = mapped_column(String(20))
     verdict_json: Mapped[str | None] = mapped_column(Text)
     reason: Mapped[str | None] = mapped_column(Text)
+    rerun_count: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    reruns_json: Mapped[str | None] = mapped_column(Text)  # [{"at": unix seconds, "reason": sentence}, ...]
 
     __table_args__ = (
         # At most one queued-or-running job per student, enforced by the database itself.
@@ -98,6 +105,8 @@ class AssessJob(Base):
             "progress_history": json.loads(self.progress_history_json) if self.progress_history_json else [],
             "verdict": json.loads(self.verdict_json) if self.verdict_json else None,
             "reason": self.reason,
+            "rerun_count": self.rerun_count or 0,
+            "reruns": json.loads(self.reruns_json) if self.reruns_json else [],
         }
 
 
@@ -138,10 +147,20 @@ class AssessQueue:
         self.database_url = database_url
         self.engine = make_engine(database_url)
         Base.metadata.create_all(self.engine)
+        self._add_new_columns()
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def _add_new_columns(self) -> None:
+        """A database written by an earlier version gains the columns added since (empty: no job was re-run)."""
+        present = {column["name"] for column in inspect(self.engine).get_columns(AssessJob.__tablename__)}
+        added = {"rerun_count": "INTEGER NOT NULL DEFAULT 0", "reruns_json": "TEXT"}
+        with self.engine.begin() as connection:
+            for name, definition in added.items():
+                if name not in present:
+                    connection.exec_driver_sql(f"ALTER TABLE {AssessJob.__tablename__} ADD COLUMN {name} {definition}")
 
     # --- students ---------------------------------------------------------------------------------------
 
@@ -197,8 +216,11 @@ class AssessQueue:
             job = session.get(AssessJob, job_id)
             if job is None or job.state != QUEUED:
                 return None
-            return 1 + session.scalar(select(func.count()).where(AssessJob.state == QUEUED,
-                                                                 AssessJob.id < job_id))
+            if job.rerun_count > 0:
+                ahead = (AssessJob.rerun_count > 0) & (AssessJob.id < job_id)
+            else:
+                ahead = or_(AssessJob.rerun_count > 0, AssessJob.id < job_id)
+            return 1 + session.scalar(select(func.count()).where(AssessJob.state == QUEUED, ahead))
 
     def history(self, student: str, limit: int = 50) -> list[dict]:
         with self.sessions() as session:
@@ -228,9 +250,11 @@ class AssessQueue:
     # --- workers ------------------------------------------------------------------------------------------
 
     def claim_next(self, worker_host: str, worker_pid: int) -> dict | None:
-        """Mark the oldest queued job running and return it (None when nothing waits)."""
+        """Mark the next queued job running and return it (None when nothing waits): a re-queued job first, then
+        the oldest."""
         with self.sessions.begin() as session:
-            job = session.scalar(select(AssessJob).where(AssessJob.state == QUEUED).order_by(AssessJob.id)
+            job = session.scalar(select(AssessJob).where(AssessJob.state == QUEUED)
+                                 .order_by((AssessJob.rerun_count == 0), AssessJob.id)
                                  .limit(1).with_for_update(skip_locked=True))
             if job is None:
                 return None
@@ -264,6 +288,20 @@ class AssessQueue:
                 update(AssessJob).where(AssessJob.id == job_id, AssessJob.state == RUNNING)
                 .values(state=INTERRUPTED, finished_at=time.time(), reason=reason))
             return changed.rowcount == 1
+
+    def requeue(self, job_id: int, reason: str) -> bool:
+        """Put a running job back in the queue, at the front, to be graded again from scratch: what its run had
+        reported is cleared, and ``reason`` is added to its reruns. False if it was no longer running."""
+        with self.sessions.begin() as session:
+            job = session.scalar(select(AssessJob).where(AssessJob.id == job_id, AssessJob.state == RUNNING))
+            if job is None:
+                return False
+            reruns = json.loads(job.reruns_json) if job.reruns_json else []
+            reruns.append({"at": time.time(), "reason": reason})
+            job.state, job.rerun_count, job.reruns_json = QUEUED, len(reruns), json.dumps(reruns)
+            job.started_at = job.worker_host = job.worker_pid = job.grader_pid = job.grader_created = None
+            job.progress_json = job.progress_history_json = None
+            return True
 
     def orphaned_running_jobs(self, host: str, server_pid: int) -> list[dict]:
         """Running jobs of this host whose server process is gone (or is not the one that claimed them). A pid

@@ -72,7 +72,7 @@ ANONYMOUS_IDENTITY_PROVIDERS = (IdentityProvider, PasswordIdentityProvider)
 # What a student may see: allow-lists, so that a field added to the job or the verdict later stays private
 # until someone decides otherwise.
 JOB_FIELDS_FOR_STUDENTS = ("id", "student", "state", "track", "submission_sha256", "submitted_at", "started_at",
-                           "finished_at", "reason")
+                           "finished_at", "reason", "reruns")
 VERDICT_FIELDS_FOR_STUDENTS = (
     "verdict", "reasons", "notes", "heldout_accuracy", "target_accuracy", "wall_time_s", "time_budget_s", "np",
     "ranks_seen", "allreduce_count", "allreduced_tensors", "active_deciles", "trainable_variables", "epochs_seen",
@@ -189,7 +189,8 @@ class AssessService(LoggingConfigurable):
                       self.slot_count, self.backend, self.queue.database_url)
 
     def stop(self) -> None:
-        """Clean stop: running jobs become ``interrupted`` (never graded by halves), queued ones wait."""
+        """Clean stop: running jobs go back to the front of the queue (graded again from scratch at the next start,
+        never by halves), queued ones wait."""
         if self._stopped:
             return
         self._stopped = True
@@ -471,7 +472,7 @@ def _load_jupyter_server_extension(serverapp):
                             parent=serverapp, log=serverapp.log)
     service.start()
     # Function extensions get no stop hook from Jupyter; the interpreter's exit (after a clean server stop or
-    # SIGTERM) is where running jobs are marked interrupted. A kill -9 is settled by the next start instead.
+    # SIGTERM) is where running jobs are re-queued. A kill -9 is settled by the next start instead.
     atexit.register(service.stop)
     base = url_path_join(serverapp.base_url, API_PREFIX)
     serverapp.web_app.settings[SERVICE_SETTINGS_KEY] = service

@@ -7,13 +7,13 @@ What the workers keep:
 
 - **Slots**: one worker thread per slot and one job per worker, so at most ``slots`` jobs run at once.
 - **Restart safety**: a job found ``running`` when a server starts, left by a server of this host that is gone
-  (killed, crashed, or stopped), is marked ``interrupted`` with a reason saying so; its grader, if it still
-  runs, is stopped first (SIGTERM, so that it stops its run and removes its job directory, then SIGKILL). It is
-  never re-run silently and never reported as passed: the student clicks Assess again. (Re-running it
-  automatically could loop forever on a submission that brings the server down.) The one exception is a grader
-  that had already written its verdict before the server died: that verdict is the real grader's and is kept.
-  Queued jobs are untouched and run as usual. A server stopped cleanly marks its running jobs ``interrupted``
-  at exit.
+  (killed, crashed, or stopped), goes back to the queue at the front and is graded again from scratch (its run
+  re-done, never resumed, its earlier output removed); its grader, if it still runs, is stopped first (SIGTERM,
+  so that it stops its run and removes its job directory, then SIGKILL). A server stopped cleanly re-queues its
+  running jobs the same way at exit. The job's ``reruns`` and its verdict's notes say when and why. A job is
+  re-queued at most ``max_reruns`` times: a submission that keeps bringing the server down then ends
+  ``interrupted`` with a reason, and is never reported as passed. A grader that had already written its verdict
+  before the server died is not re-run: that verdict is the real grader's and is kept. Queued jobs are untouched.
 - **Progress** (``progress.json``, written by the grader: elapsed time vs budget, epochs seen, latest
   accuracy, checkpoint time) is copied to the job for display only; the verdict is always the grader's.
 - **Disk**: job directories and the files the service writes in them are private to the server's account
@@ -40,6 +40,9 @@ from pathlib import Path
 import psutil
 
 from .queue import ACTIVE_STATES, DONE, AssessQueue
+
+# How often one job may be graded again after its server stopped under it, before it ends ``interrupted``.
+MAX_RERUNS = 2
 
 
 def grader_process(job: dict) -> psutil.Process | None:
@@ -179,10 +182,13 @@ class GradingWorkers:
     """``slots`` threads, each claiming the oldest queued job and grading it with ``scalelab assess``."""
 
     def __init__(self, queue: AssessQueue, settings: GraderSettings, slots: int, log=None,
-                 retention: JobRetention | None = None, server_name: str = "the Jupyter server"):
+                 retention: JobRetention | None = None, server_name: str = "the Jupyter server",
+                 max_reruns: int = MAX_RERUNS):
         if slots < 1:
             raise ValueError(f"slots must be at least 1, not {slots}")
-        self.queue, self.settings, self.slots = queue, settings, slots
+        if max_reruns < 0:
+            raise ValueError(f"max_reruns must be at least 0, not {max_reruns}")
+        self.queue, self.settings, self.slots, self.max_reruns = queue, settings, slots, max_reruns
         self.log = log
         self.retention = retention
         self.server_name = server_name  # what stopped, in the reason an interrupted job's student reads
@@ -210,13 +216,23 @@ class GradingWorkers:
                 self.queue.finish(job["id"], verdict)
             else:
                 started = utc_iso(job["started_at"]) or "an unknown time"
-                self.queue.interrupt(job["id"], (
-                    f"Interrupted: {self.server_name} stopped while this assessment was running (it started at "
-                    f"{started}), so it was not graded. Nothing was recorded as a result; click Assess to "
-                    f"submit it again."))
+                self._requeue_or_interrupt(job, f"{self.server_name} stopped while this assessment was running "
+                                                f"(it started at {started})")
             self._tidy(job)
             settled.append(self.queue.get(job["id"]))
         return settled
+
+    def _requeue_or_interrupt(self, job: dict, what_happened: str) -> None:
+        """A running job its server stopped under: graded again from scratch, or, past ``max_reruns``,
+        interrupted with a reason."""
+        if job.get("rerun_count", 0) < self.max_reruns:
+            if self.queue.requeue(job["id"], f"{what_happened}; it was graded again from scratch."):
+                self.wake()
+            return
+        self.queue.interrupt(job["id"], (
+            f"Interrupted: {what_happened}, and it had already been graded again {job['rerun_count']} time(s) "
+            f"after the same; it is not re-run once more. Nothing was recorded as a result; click Assess to submit "
+            f"it again."))
 
     def start(self) -> None:
         for slot in range(self.slots):
@@ -229,16 +245,14 @@ class GradingWorkers:
             self._wakeup.notify_all()
 
     def stop(self, reason: str | None = None) -> None:
-        """Stop claiming; mark running jobs interrupted (first, so no verdict races in), then kill graders."""
-        self.stop_reason = reason or (f"Interrupted: {self.server_name} was stopped while this assessment was "
-                                      f"running, so it was not graded. Click Assess to submit it again.")
-        reason = self.stop_reason
+        """Stop claiming; re-queue running jobs (first, so no verdict races in), then kill graders."""
+        self.stop_reason = reason or f"{self.server_name} was stopped while this assessment was running"
         with self._running_lock:  # with _grade's registration: a grader is either seen here or never started
             self._stopping.set()
             running = dict(self._running)
         self.wake()
         for job_id, popen in running.items():
-            self.queue.interrupt(job_id, reason)
+            self._settle_stopped(job_id)
             try:
                 kill_process_tree(psutil.Process(popen.pid))
             except psutil.Error:
@@ -260,7 +274,7 @@ class GradingWorkers:
                     self._wakeup.wait(timeout=self.settings.poll_interval_s)
                 continue
             if self._stopping.is_set():  # claimed just as the server stops: do not start it
-                self.queue.interrupt(job["id"], self.stop_reason)
+                self._settle_stopped(job["id"])
                 return
             try:
                 self._grade(job)
@@ -279,8 +293,15 @@ class GradingWorkers:
             argv.append("--allow-unsandboxed")
         return argv
 
+    def _settle_stopped(self, job_id: int) -> None:
+        job = self.queue.get(job_id)
+        if job is not None and job["state"] != DONE:
+            self._requeue_or_interrupt(job, self.stop_reason)
+
     def _grade(self, job: dict) -> None:
         job_dir = Path(job["job_dir"])
+        if job.get("reruns"):  # graded from scratch: nothing an earlier, stopped grader wrote is read
+            shutil.rmtree(grader_out_dir(job_dir), ignore_errors=True)
         with open_private(job_dir / "grader.stdout", "wb") as stdout, \
                 open_private(job_dir / "grader.stderr", "wb") as stderr:
             # Own session: the grader and its horovodrun can be stopped as one tree, apart from the server.
@@ -292,7 +313,7 @@ class GradingWorkers:
             self._running[job["id"]] = popen
             stopped_meanwhile = self._stopping.is_set()
         if stopped_meanwhile:  # stop() ran between the claim and the start: it did not see this grader
-            self.queue.interrupt(job["id"], self.stop_reason)
+            self._settle_stopped(job["id"])
             try:
                 kill_process_tree(psutil.Process(popen.pid))
             except psutil.Error:
@@ -307,13 +328,15 @@ class GradingWorkers:
             with self._running_lock:
                 self._running.pop(job["id"], None)
         if self._stopping.is_set():
-            return  # stop() has marked it interrupted
+            return  # stop() has re-queued it (or marked it interrupted)
         verdict = read_json(grader_out_dir(job_dir) / "verdict.json")
         if verdict is None:  # only a refused command line (exit 2) or a crash before the grader started
             message = _last_line((job_dir / "grader.stderr").read_bytes()) or f"exit status {popen.returncode}"
             verdict = service_error_verdict(job, f"the grader refused the submission: {message}",
                                             verdict="fail" if popen.returncode == 2 else "error")
         verdict["student"] = verdict.get("student") or job["student"]  # the grader CLI does not know who it was
+        for rerun in job.get("reruns") or []:
+            verdict.setdefault("notes", []).append(f"Re-run on {utc_iso(rerun['at'])}: {rerun['reason']}")
         self.queue.finish(job["id"], verdict)
 
     def _follow_progress(self, job: dict, popen: subprocess.Popen) -> None:

@@ -35,7 +35,7 @@ TEST_TRACKS = SUBMISSIONS / "tracks.toml"
 TEST_TRACK = "fashion-mnist-test"
 # A syntax error fails in seconds without a launch; the other keeps a job running for 10 minutes.
 FAST_SUBMISSION = SUBMISSIONS / "service" / "syntax_error_fast.py"
-SLEEPING_SUBMISSION = SUBMISSIONS / "service" / "sleeps.py"
+SLEEPING_SUBMISSION = SUBMISSIONS / "service" / "sleeps_a_minute.py"
 SERVICE_URL_PATH = "/services/scalelab/"
 FINAL_JOB_STATES = ("done", "interrupted")
 

@@ -267,8 +267,7 @@ def test_the_panel_says_in_a_sentence_when_the_hub_has_no_such_service_or_it_doe
 
 # --- the Hub restarts it, and nothing is lost ----------------------------------------------------------------------
 
-def test_killing_the_service_the_hub_restarts_it_the_queued_job_runs_and_the_running_one_is_interrupted(
-        hub, kernel_of):
+def test_killing_the_service_the_hub_restarts_it_and_the_running_job_is_graded_again_first(hub, kernel_of):
     running_student, queued_student = hub.students["A"], hub.students["B"]
     running = hub.submit(running_student, SLEEPING_SUBMISSION.read_text())
     assert running.status_code == 201, running.text
@@ -305,11 +304,13 @@ def test_killing_the_service_the_hub_restarts_it_the_queued_job_runs_and_the_run
             pytest.fail(f"the Hub did not restart the service within 180 s:\n{hub.log_text()}")
         time.sleep(1)
     assert restarted[0].uids().real == pwd.getpwnam("scalelab").pw_uid
-    interrupted = hub.wait_for_job(running_student, running_id)
-    assert interrupted["state"] == "interrupted"
-    assert "Interrupted: the course's grader service stopped while this assessment was running" in interrupted["reason"]
-    assert interrupted["verdict"] is None
+    rerun = hub.wait_for_job(running_student, running_id)
+    assert rerun["state"] == "done" and rerun["verdict"]["verdict"] == "fail", rerun  # it slept, then exited 1
+    [again_because] = rerun["reruns"]
+    assert "the course's grader service stopped while this assessment was running" in again_because["reason"]
+    assert any(note.startswith("Re-run on ") for note in rerun["verdict"]["notes"])
     done = hub.wait_for_job(queued_student, queued.json()["job"]["id"])
     assert done["state"] == "done" and done["verdict"]["verdict"] == "fail"
+    assert done["started_at"] > rerun["started_at"], "the re-run job goes first: it had been waiting longest"
     still = [grader for grader in graders if grader.is_running() and grader.status() != psutil.STATUS_ZOMBIE]
-    assert not still, "the interrupted job's grader still runs"
+    assert not still, "the stopped run's grader still runs"

@@ -18,6 +18,7 @@ import pytest
 
 from sqlalchemy import update
 
+from scalelab.grader import panel
 from scalelab.grader.queue import (DONE, INTERRUPTED, QUEUED, RUNNING, AssessJob, AssessQueue, QueueFull, TooSoon,
                                    sqlite_url)
 from scalelab.grader.workers import GraderSettings, GradingWorkers, JobRetention
@@ -126,16 +127,42 @@ def workers_for(queue: AssessQueue, slots: int = 1) -> GradingWorkers:
                                                 poll_interval_s=0.2), slots=slots)
 
 
-def test_recovery_marks_the_running_job_of_a_dead_server_interrupted_and_leaves_queued_jobs(queue, tmp_path):
-    running, _ = submit(queue, "a", tmp_path / "a")
-    queued, _ = submit(queue, "b", tmp_path / "b")
-    queue.claim_next(socket.gethostname(), dead_pid())
+def mark_running(queue: AssessQueue, job_id: int, server_pid: int) -> None:
+    with queue.sessions.begin() as session:
+        session.execute(update(AssessJob).where(AssessJob.id == job_id).values(
+            state=RUNNING, started_at=time.time(), worker_host=socket.gethostname(), worker_pid=server_pid))
+
+
+def test_recovery_requeues_the_running_job_of_a_dead_server_at_the_front(queue, tmp_path):
+    """Graded again from scratch before the jobs that were already waiting, with the reason in its reruns."""
+    waiting, _ = submit(queue, "a", tmp_path / "a")
+    running, _ = submit(queue, "b", tmp_path / "b")
+    mark_running(queue, running["id"], dead_pid())
     settled = workers_for(queue).recover()
     assert [job["id"] for job in settled] == [running["id"]]
     stored = queue.get(running["id"])
+    assert stored["state"] == QUEUED and stored["verdict"] is None and stored["started_at"] is None
+    [rerun] = stored["reruns"]
+    assert "the Jupyter server stopped while this assessment was running" in rerun["reason"]
+    assert "graded again from scratch" in rerun["reason"]
+    assert [queue.position(running["id"]), queue.position(waiting["id"])] == [1, 2]
+    assert "queued again (the grader stopped while it ran" in panel.status_text({**stored, "position": 1})
+    assert queue.claim_next("host", os.getpid())["id"] == running["id"]
+    assert queue.get(waiting["id"])["state"] == QUEUED
+
+
+def test_a_job_whose_server_keeps_stopping_ends_interrupted_after_its_reruns(queue, tmp_path):
+    job, _ = submit(queue, "a", tmp_path / "a")
+    workers = workers_for(queue)
+    for rerun in range(workers.max_reruns):
+        mark_running(queue, job["id"], dead_pid())
+        workers.recover()
+        assert queue.get(job["id"])["state"] == QUEUED and len(queue.get(job["id"])["reruns"]) == rerun + 1
+    mark_running(queue, job["id"], dead_pid())
+    workers.recover()
+    stored = queue.get(job["id"])
     assert stored["state"] == INTERRUPTED and stored["verdict"] is None
-    assert "Interrupted: the Jupyter server stopped" in stored["reason"] and "click Assess" in stored["reason"]
-    assert queue.get(queued["id"])["state"] == QUEUED
+    assert "not re-run once more" in stored["reason"] and "click Assess" in stored["reason"]
 
 
 def test_recovery_kills_a_grader_the_dead_server_left_running(queue, tmp_path):
@@ -145,7 +172,7 @@ def test_recovery_kills_a_grader_the_dead_server_left_running(queue, tmp_path):
     queue.set_grader_process(job["id"], grader.pid, psutil.Process(grader.pid).create_time())
     workers_for(queue).recover()
     assert grader.wait(timeout=15) is not None
-    assert queue.get(job["id"])["state"] == INTERRUPTED
+    assert queue.get(job["id"])["state"] == QUEUED and queue.get(job["id"])["grader_pid"] is None
 
 
 def test_recovery_keeps_a_verdict_the_grader_had_written_before_the_server_died(queue, tmp_path):
@@ -171,7 +198,7 @@ def test_recovery_settles_a_job_claimed_by_an_earlier_server_with_this_servers_p
     queue.claim_next(socket.gethostname(), os.getpid())  # claimed by this very process: left alone
     settled = workers_for(queue).recover()
     assert [job["id"] for job in settled] == [earlier["id"]]
-    assert queue.get(earlier["id"])["state"] == INTERRUPTED and queue.get(own["id"])["state"] == RUNNING
+    assert queue.get(earlier["id"])["state"] == QUEUED and queue.get(own["id"])["state"] == RUNNING
 
 
 def test_recovery_leaves_the_jobs_of_a_live_server_alone(queue, tmp_path):
@@ -277,6 +304,76 @@ def test_workers_keep_the_model_only_for_a_pass_and_write_private_logs(queue, tm
     for student in jobs:
         for log in ("grader.stdout", "grader.stderr"):
             assert stat.S_IMODE((tmp_path / "jobs" / student / log).stat().st_mode) == 0o600
+
+
+def test_a_requeued_job_is_graded_from_scratch_and_its_verdict_says_why(queue, tmp_path):
+    """What the stopped grader had written is gone before the new run (the fake grader refuses an existing
+    output folder), and the verdict's notes name the re-run; a clean stop re-queues the running job too."""
+    fake_grader = tmp_path / "fake_grader.py"
+    fake_grader.write_text(FAKE_GRADER)
+    job_dir = tmp_path / "jobs" / "ana"
+    job_dir.mkdir(parents=True)
+    (job_dir / "assessment.py").write_text("# passes\n")
+    job, _ = submit(queue, "ana", job_dir)
+    mark_running(queue, job["id"], dead_pid())
+    (job_dir / "grader").mkdir()
+    (job_dir / "grader" / "progress.json").write_text('{"state": "running"}')  # no verdict: the run was cut off
+    workers = GradingWorkers(queue, GraderSettings(track="fashion-mnist-test", poll_interval_s=0.1,
+                                                   command=[sys.executable, str(fake_grader)]), slots=1)
+    workers.recover()
+    workers.start()
+    try:
+        deadline = time.monotonic() + 60
+        while queue.get(job["id"])["state"] != DONE and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        workers.stop()
+    stored = queue.get(job["id"])
+    assert stored["state"] == DONE and stored["verdict"]["verdict"] == "pass", stored
+    assert any(note.startswith("Re-run on ") and "graded again from scratch" in note
+               for note in stored["verdict"]["notes"])
+
+
+def test_a_clean_stop_requeues_its_running_job(queue, tmp_path):
+    job_dir = tmp_path / "jobs" / "ana"
+    job_dir.mkdir(parents=True)
+    (job_dir / "assessment.py").write_text("# sleeps\n")
+    job, _ = submit(queue, "ana", job_dir)
+    workers = GradingWorkers(queue, GraderSettings(track="fashion-mnist-test", poll_interval_s=0.1,
+                                                   command=[sys.executable, "-c", "import time; time.sleep(600)"]),
+                             slots=1, server_name="the server")
+    workers.start()
+    deadline = time.monotonic() + 30
+    while queue.get(job["id"])["grader_pid"] is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    grader = psutil.Process(queue.get(job["id"])["grader_pid"])
+    workers.stop()
+    stored = queue.get(job["id"])
+    assert stored["state"] == QUEUED and queue.position(job["id"]) == 1
+    assert stored["reruns"][0]["reason"].startswith("the server was stopped while this assessment was running")
+    gone, _alive = psutil.wait_procs([grader], timeout=15)
+    assert gone, "the stopped grader still runs"
+
+
+def test_a_database_of_an_earlier_version_gains_the_rerun_columns(database, tmp_path):
+    import sqlite3
+    first = AssessQueue(database)
+    job, _ = submit(first, "ana", tmp_path / "a")
+    first.close()
+    connection = sqlite3.connect(database.removeprefix("sqlite:///"))
+    connection.execute("DROP INDEX one_active_job_per_student")  # SQLite drops no column an index names
+    for column in ("rerun_count", "reruns_json"):
+        connection.execute(f"ALTER TABLE assess_jobs DROP COLUMN {column}")
+    connection.commit()
+    connection.close()
+    reopened = AssessQueue(database)
+    try:
+        assert reopened.get(job["id"])["reruns"] == [] and reopened.get(job["id"])["rerun_count"] == 0
+        mark_running(reopened, job["id"], dead_pid())
+        assert reopened.requeue(job["id"], "the server stopped")
+        assert reopened.get(job["id"])["reruns"][0]["reason"] == "the server stopped"
+    finally:
+        reopened.close()
 
 
 def finished_job(queue: AssessQueue, student: str, job_dir: Path, size_bytes: int = 0) -> dict:

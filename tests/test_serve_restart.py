@@ -1,8 +1,9 @@
 """Restart safety: kill -9 the server with one job running and three queued, start it again, lose nothing.
 
 The running job is a submission that only sleeps (a real horovodrun in the real sandbox); the queued ones are
-fast. After the restart the running job must be ``interrupted`` with a reason, its grader and ranks gone, and the
-queued jobs graded. Then a clean stop (SIGTERM) with a job running must mark that job interrupted too.
+fast. After the restart the running job's first grader and ranks must be gone, and the job graded again from
+scratch before the queued ones (its history and verdict saying why), then the queued jobs graded. Then a clean stop
+(SIGTERM) with a job running must put that job back in the queue, at the front, with its processes ended.
 """
 
 from __future__ import annotations
@@ -79,22 +80,25 @@ def test_kill_9_mid_queue_then_restart_loses_nothing_and_passes_nothing(tmp_path
         second = _server(root, home)
         second.port, second.url = first.port, first.url  # same address, as a restarted service would have
         second.start()
-        interrupted = second.wait_for_job(sleeper, "sleeper-token", timeout_s=30)
-        finished = {student: second.wait_for_job(job["id"], f"{student}-token", timeout_s=120)
+        gone, alive = psutil.wait_procs(family, timeout=15)
+        assert not alive, f"processes of the stopped run survived: {alive}"
+        rerun = second.wait_for_job(sleeper, "sleeper-token", timeout_s=180)
+        finished = {student: second.wait_for_job(job["id"], f"{student}-token", timeout_s=180)
                     for student, job in queued.items()}
 
-        assert interrupted["state"] == "interrupted", interrupted
-        assert interrupted["verdict"] is None
-        assert "Interrupted" in interrupted["reason"] and "click Assess" in interrupted["reason"]
-        gone, alive = psutil.wait_procs(family, timeout=15)
-        assert not alive, f"processes of the interrupted job survived: {alive}"
+        # Graded again from scratch, to the end of the track's budget (it only sleeps): a verdict, not a pass.
+        assert rerun["state"] == "done" and rerun["verdict"]["verdict"] == "timeout", rerun
+        [again_because] = rerun["reruns"]
+        assert "stopped while this assessment was running" in again_because["reason"]
+        assert any(note.startswith("Re-run on ") for note in rerun["verdict"]["notes"])
         for student, job in finished.items():
             assert job["state"] == "done", job
             assert job["verdict"]["verdict"] == "fail"
+            assert job["started_at"] > rerun["started_at"], "the re-run job goes first: it had been waiting longest"
         history = second.api("GET", "assessments", token="sleeper-token").json()["assessments"]
-        assert [entry["state"] for entry in history] == ["interrupted"]
+        assert [entry["state"] for entry in history] == ["done"]
 
-        # A clean stop with a job running: the job is marked interrupted, its processes end.
+        # A clean stop with a job running: the job goes back to the front of the queue, its processes end.
         again = second.api("POST", "assessments", token="sleeper-token").json()["job"]["id"]
         grader = _wait_until_running_with_ranks(second, again)
         family = [grader, *grader.children(recursive=True)]
@@ -104,8 +108,8 @@ def test_kill_9_mid_queue_then_restart_loses_nothing_and_passes_nothing(tmp_path
         queue = AssessQueue(sqlite_url(second.database))
         stored = {job["id"]: job for job in queue.all_jobs()}
         queue.close()
-        assert stored[again]["state"] == "interrupted", stored[again]
-        assert "server was stopped" in stored[again]["reason"]
+        assert stored[again]["state"] == "queued", stored[again]
+        assert "was stopped while this assessment was running" in stored[again]["reruns"][0]["reason"]
         assert not any(job["verdict"] == "pass" for job in stored.values())
         assert len(stored) == 5
     finally:

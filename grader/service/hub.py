@@ -421,7 +421,7 @@ class HubAssessService(Application):
                       self.state_dir)
         await stopping.wait()
         server.stop()
-        # Running jobs become interrupted (never graded by halves); queued ones wait for the next start.
+        # Running jobs go back to the front of the queue (graded again from scratch, never by halves); queued ones wait.
         await loop.run_in_executor(None, service.stop)
 
 
