@@ -100,7 +100,9 @@ release: setup
 	done
 
 # Grade every assignment with submissions in $(LABS)/submitted/<student>/<assignment>/ into $(LABS)/gradebook.db.
+# The notebooks name the course's kernel: installed first, as for `make lab`.
 autograde: setup
+	$(VENV)/bin/scalelab lab-setup
 	cd $(LABS) && assignments=$$(ls -d submitted/*/*/ 2>/dev/null | cut -d/ -f3 | sort -u); \
 	[ -n "$$assignments" ] || { echo "nothing to grade: no $(LABS)/submitted/<student>/<assignment>/"; exit 0; }; \
 	for assignment in $$assignments; do \
@@ -110,7 +112,9 @@ autograde: setup
 # The benchmark report (report.json, report.md, plots) in $(BENCH_OUT); BENCH_ARGS=--quick for a smoke run.
 BENCH_OUT ?= bench-report
 BENCH_ARGS ?=
+# Its Assess stage opens the assessment in JupyterLab, which needs the course's kernel (installed first).
 bench: setup
+	$(VENV)/bin/scalelab lab-setup
 	PYTHONPATH=source_code $(VENV_PYTHON) -m benchmarks.run --out $(BENCH_OUT) $(BENCH_ARGS)
 
 # Docker when its daemon answers, else podman; IMAGE_ENGINE=docker|podman to choose. IMAGE_BASE=localhost/NAME builds on

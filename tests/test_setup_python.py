@@ -449,6 +449,18 @@ def test_make_setup_passes_PYTHON_to_setup_sh_and_make_test_keeps_the_venvs_pyth
     assert ".venv/bin/python -m pytest" in dry_run and "python3.11 -m pytest" not in dry_run
 
 
+@pytest.mark.parametrize("target", ["lab", "test", "bench", "autograde"])
+def test_every_make_target_that_runs_the_notebooks_installs_the_courses_kernel_first(target):
+    """From a fresh clone, each README command works by itself: nothing else has installed the kernel before."""
+    recipe = subprocess.run(["make", "-n", "-W", "pyproject.toml", target], cwd=PROJECT_ROOT, check=True,
+                            capture_output=True, text=True, timeout=60).stdout.splitlines()
+    runs = {"lab": "jupyter lab", "test": "-m pytest", "bench": "-m benchmarks.run", "autograde": "nbgrader autograde"}
+    installs = [number for number, line in enumerate(recipe) if "scalelab lab-setup" in line]
+    [first_run] = [number for number, line in enumerate(recipe) if runs[target] in line][:1] or [None]
+    assert first_run is not None, recipe
+    assert installs and installs[0] < first_run, f"make {target} runs before it installs the kernel: {recipe}"
+
+
 # --- the GPU image: TensorFlow and Horovod from the base ---------------------------------------------------------
 
 
