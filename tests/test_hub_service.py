@@ -12,11 +12,13 @@ import pwd
 import re
 import secrets
 import shutil
+import socket
 import stat
 import textwrap
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psutil
 import pytest
@@ -144,6 +146,35 @@ def test_an_oversized_or_non_utf8_script_is_refused_with_a_sentence_and_queues_n
     bad_name = hub.api("POST", "assessments", token, json={"source": "x = 1\n", "filename": "../../etc/passwd"})
     assert bad_name.status_code == 400 and "file name" in bad_name.json()["message"]
     assert hub.api("GET", "assessments", token).json()["assessments"] == []
+
+
+def head_of_a_post(url: str, headers: dict[str, str], timeout_s: float = 20) -> str:
+    """What the service answers to a POST's head and the first KiB of the body it declares; the rest is never
+    sent (the Hub's proxy passes a request on with its first bytes of body)."""
+    parts = urlsplit(url)
+    lines = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s) as connection:
+        connection.sendall(f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\n{lines}\r\n".encode()
+                           + b"x" * 1024)
+        try:
+            return connection.recv(65536).decode("latin-1")
+        except TimeoutError:
+            return f"no answer within {timeout_s} s: the service waits for the body"
+
+
+def test_a_body_is_read_only_once_its_sender_is_known_and_never_beyond_a_submission(hub):
+    """Anyone could send 64 MiB before: now the Hub's answer about the sender comes first, and a body longer
+    than a submission can be is refused with a sentence before a byte of it is read."""
+    huge = {"Content-Type": "application/json", "Content-Length": str(50 << 20)}
+    student = hub.tokens[hub.students["B"]]
+    for token, status in ((None, 401), ("not-a-token", 403), (student, 413)):
+        authorization = {"Authorization": f"token {token}"} if token else {}
+        answer = head_of_a_post(f"{hub.service_url}api/assessments", {**huge, **authorization})
+        assert answer.startswith(f"HTTP/1.1 {status} "), answer[:400]
+    assert "nothing of it was read" in answer
+    form = {"Content-Type": "application/x-www-form-urlencoded", "Content-Length": "100000"}
+    answer = head_of_a_post(f"{hub.service_url}class/regrade", {**form, "Authorization": f"token {student}"})
+    assert answer.startswith("HTTP/1.1 403 "), answer[:400]
 
 
 def test_two_submissions_at_once_make_one_active_job(hub):

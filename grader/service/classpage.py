@@ -440,6 +440,9 @@ class InstructorPage(ServiceHandler):
                                      f"'{HUB_INSTRUCTORS_GROUP}' only (scalelab class add-instructor).")
         return name
 
+    def check_sender(self) -> None:
+        _ = self.instructor
+
     async def rows(self) -> tuple[list[StudentRow], str | None]:
         try:
             students = await hub_students(self.hub_auth.api_url, self.hub_auth.api_token)
@@ -490,6 +493,7 @@ class JobPageHandler(InstructorPage):
 
 class RegradeHandler(InstructorPage):
     async def post(self):
+        await self.read_form()
         instructor = self.instructor
         if self.get_body_argument("all", "") == "1":
             jobs = await self.blocking(self.service.queue.all_jobs)

@@ -48,7 +48,7 @@ from urllib.parse import urlparse
 
 from jupyterhub.services.auth import HubOAuth, HubOAuthCallbackHandler, HubOAuthenticated
 from jupyterhub.utils import url_path_join
-from tornado import web
+from tornado import httputil, web
 from tornado.ioloop import IOLoop
 from traitlets import Unicode, default
 from traitlets.config import Application
@@ -69,8 +69,9 @@ STATE_DIR_VARIABLE = "SCALELAB_SERVICE_STATE"
 SERVICE_URL_VARIABLE = "SCALELAB_ASSESS_SERVICE_URL"
 # JSON escapes may take up to 6 characters per byte of source; beyond that a body cannot hold a submission.
 JSON_BODY_LIMIT_BYTES = 6 * SUBMISSION_SIZE_LIMIT_BYTES + 4096
-# Bodies up to this size get a 413 with a sentence; Tornado closes the connection on larger ones.
-MAX_REQUEST_BYTES = 64 << 20
+# What any other request may carry (the class page's regrade form): no page of the service takes more.
+FORM_BODY_LIMIT_BYTES = 256 << 10
+BODY_METHODS = ("POST", "PUT", "PATCH", "DELETE")
 FILENAME = re.compile(r"[A-Za-z0-9_.-]{1,100}\.py")
 # The Hub starts a managed service again as soon as it exits: a refusal waits first, so it is not a hot loop.
 PAUSE_BEFORE_EXIT_S = 10.0
@@ -204,16 +205,74 @@ def grader_environment() -> dict[str, str]:
 
 # --- the REST API -----------------------------------------------------------------------------------------------
 
+@web.stream_request_body
 class ServiceHandler(HubOAuthenticated, web.RequestHandler):
-    """Common ground: the Hub's user, JSON errors, blocking database work off the event loop."""
+    """Common ground: the Hub's user, JSON errors, blocking database work off the event loop.
+
+    A body is read only once its sender is known: Tornado hands it over after :meth:`prepare`, which answers 401,
+    403 or 413 first when the credentials or the declared length say no, and caps what is read at
+    ``body_limit_bytes`` (beyond it Tornado closes the connection)."""
+
+    body_limit_bytes = FORM_BODY_LIMIT_BYTES
 
     @property
     def service(self) -> AssessService:
         return self.settings[SERVICE_SETTINGS_KEY]
 
+    def initialize(self):
+        self._body_parts: list[bytes] = []
+
     async def prepare(self):
         # Asks the Hub once, without blocking the loop; current_user then reads the cached answer.
         await self.hub_auth.get_user(self, sync=False)
+        self._sender_known_after_form = False
+        if self.request.method not in BODY_METHODS:
+            return
+        limit = self.body_limit_bytes
+        if self.current_user is None and self._browser_form():
+            # A browser's form carries its _xsrf token in the body, and the Hub's cookie counts only with it: its
+            # sender is checked once the form, capped small, is read (read_form).
+            self._sender_known_after_form = True
+            limit = min(limit, FORM_BODY_LIMIT_BYTES)
+        else:
+            self.check_sender()
+        declared = self.request.headers.get("Content-Length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise web.HTTPError(413, f"The request is {int(declared)} bytes, more than this page takes ({limit} "
+                                     f"bytes); nothing of it was read.")
+        self.request.connection.set_max_body_size(limit)
+
+    def _browser_form(self) -> bool:
+        content_type = self.request.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        return (bool(self.get_cookie(self.hub_auth.cookie_name))
+                and content_type in ("application/x-www-form-urlencoded", "multipart/form-data"))
+
+    def check_sender(self) -> None:
+        """Who may send a body here (401/403 otherwise): a Hub user."""
+        _ = self.student
+
+    def data_received(self, chunk: bytes) -> None:
+        if not self._finished and self.request.method in BODY_METHODS:
+            self._body_parts.append(chunk)
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self._body_parts)
+
+    async def read_form(self) -> None:
+        """The form body parsed into Tornado's body arguments (Tornado parses no streamed body); a browser's
+        sender is checked now, with the form's _xsrf token."""
+        httputil.parse_body_arguments(self.request.headers.get("Content-Type", ""), self.body,
+                                      self.request.body_arguments, self.request.files, self.request.headers)
+        for name, values in self.request.body_arguments.items():
+            self.request.arguments.setdefault(name, []).extend(values)
+        if self._sender_known_after_form:
+            # JupyterHub and Tornado keep their answer for the request, given before the form's _xsrf was seen.
+            for answer in ("_cached_hub_user", "_hub_auth_user_cache", "_current_user"):
+                self.__dict__.pop(answer, None)
+            await self.hub_auth.get_user(self, sync=False)
+            self._sender_known_after_form = False
+        self.check_sender()
 
     def set_default_headers(self):
         self.set_header("Content-Type", "application/json; charset=UTF-8")
@@ -275,6 +334,8 @@ class ServiceInfoHandler(ServiceHandler):
 
 
 class AssessmentsHandler(ServiceHandler):
+    body_limit_bytes = JSON_BODY_LIMIT_BYTES
+
     async def get(self):
         student = self.student
         self.finish({"student": student, "assessments": await self.blocking(self.service.history, student)})
@@ -293,7 +354,7 @@ class AssessmentsHandler(ServiceHandler):
 
     def submitted_content(self) -> tuple[bytes, str]:
         """(the script's bytes, its file name) from the body: raw, or JSON {"source", "filename"}."""
-        body = self.request.body
+        body = self.body
         limit = SUBMISSION_SIZE_LIMIT_BYTES
         content_type = self.request.headers.get("Content-Type", "").split(";")[0].strip().lower()
         if content_type != "application/json":
@@ -407,8 +468,9 @@ class HubAssessService(Application):
 
     async def _serve(self, service: AssessService, host: str, port: int, prefix: str, cookie_secret: bytes):
         try:
+            # Each handler caps its own body once it knows the sender; nothing takes more than a submission.
             server = make_app(service, prefix, cookie_secret).listen(port, address=host,
-                                                                     max_body_size=MAX_REQUEST_BYTES)
+                                                                     max_body_size=JSON_BODY_LIMIT_BYTES)
         except OSError as error:
             raise ServiceRefused(f"cannot listen on {host}:{port} ({error.strerror}); is another service "
                                  f"there?") from None
