@@ -1,7 +1,8 @@
 """The graded exercises of labs 1–5 against wrong solutions: for every exercise the reference solution passes its
 test cell, and each plausible wrong solution below fails it with an AssertionError whose message says what is
 wrong. A wrong solution marked "hidden" passes the checks the student can see and is caught by the hidden tests
-only; one marked "visible" is already caught by the visible checks.
+only; one marked "visible" is already caught by the visible checks. Where an exercise has more than one right
+answer, the others below must pass too.
 
 Each exercise's solution cell is taken from the source notebook with the code between `### BEGIN SOLUTION` and
 `### END SOLUTION` replaced (as a student's notebook holds it), then run with the test cell in a fresh namespace in
@@ -14,7 +15,7 @@ import re
 import nbformat
 import pytest
 
-from labtools import LABS, Wrong, assert_rejected, code_cell_containing, python_source
+from labtools import LABS, Wrong, assert_rejected, code_cell_containing, grade_exercise, python_source
 
 NOTEBOOKS = {"lab1": LABS / "source" / "lab1" / "lab1_gradient_descent.ipynb",
              "lab2": LABS / "source" / "lab2" / "lab2_batch_size.ipynb",
@@ -114,9 +115,15 @@ EXERCISES = {
             """, None), "visible", ""),
     },
     ("lab3", "ex4-callbacks", "ex4-tests"): {
-        "the metric average first": Wrong((
-            "return [hvd.callbacks.MetricAverageCallback(), hvd.callbacks.BroadcastGlobalVariablesCallback(0)]",),
-            "hidden", "first the broadcast"),
+        "the metric averaging twice, no broadcast": Wrong((
+            "return [hvd.callbacks.MetricAverageCallback(), hvd.callbacks.MetricAverageCallback()]",),
+            "hidden", "one BroadcastGlobalVariablesCallback"),
+        "the learning-rate warmup instead of the metric averaging": Wrong((
+            "return [hvd.callbacks.BroadcastGlobalVariablesCallback(0), "
+            "hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.02)]",), "hidden", "one MetricAverageCallback"),
+        "a broadcast from rank 1": Wrong((
+            "return [hvd.callbacks.BroadcastGlobalVariablesCallback(1), hvd.callbacks.MetricAverageCallback()]",),
+            "hidden", "broadcast from rank 0"),
     },
     ("lab3", "ex5-efficiency", "ex5-tests"): {
         "the ratio upside down": Wrong(("return n * images_per_s_one / images_per_s_n",), "hidden",
@@ -176,6 +183,16 @@ EXERCISES = {
     },
 }
 
+# Right solutions other than the reference, which the graded tests must accept too (the solution regions' code, as
+# in Wrong.bodies).
+ALSO_RIGHT = {
+    ("lab3", "ex4-callbacks", "ex4-tests"): {
+        # The broadcast acts at the end of the first batch, the averaging at each epoch's end: either order works.
+        "the metric average first": (
+            "return [hvd.callbacks.MetricAverageCallback(), hvd.callbacks.BroadcastGlobalVariablesCallback(0)]",),
+    },
+}
+
 
 def context_of(lab: str) -> str:
     """What runs before the solution cell: the lab's parameters cell, then its setup cell (or the imports of it)."""
@@ -205,3 +222,11 @@ def test_every_graded_exercise_of_labs_1_to_5_has_wrong_solutions_here():
 def test_the_graded_tests_pass_the_reference_and_reject_each_wrong_solution(lab, solution_id, tests_id, tmp_path):
     assert_rejected(NOTEBOOKS[lab], solution_id, tests_id, context_of(lab), EXERCISES[lab, solution_id, tests_id],
                     tmp_path)
+
+
+@pytest.mark.parametrize("lab, solution_id, tests_id", list(ALSO_RIGHT), ids=[f"{lab}-{solution}"
+                                                                             for lab, solution, _ in ALSO_RIGHT])
+def test_the_graded_tests_accept_other_right_solutions(lab, solution_id, tests_id, tmp_path):
+    solutions = ALSO_RIGHT[lab, solution_id, tests_id]
+    outcomes = grade_exercise(NOTEBOOKS[lab], solution_id, tests_id, context_of(lab), solutions, tmp_path)
+    assert outcomes == {name: {"graded": None, "visible": None} for name in solutions}

@@ -89,12 +89,12 @@ learning_rate = WarmupStepSchedule(peak_lr, steps_per_epoch, warmup_epochs=args.
                                    boundaries=(0.5 * args.epochs, 0.75 * args.epochs))
 optimizer = tf.keras.optimizers.SGD(learning_rate=learning_rate, momentum=args.momentum)
 # Horovod: average the gradients of all ranks (allreduce) before every update.
-# Horovod: groups=1 sends all gradients in one allreduce per step, not one per tensor (fewer round trips).
+# Horovod: groups=1 allreduces all of a step's gradients together (tensor fusion alone may take a few allreduces).
 optimizer = hvd.DistributedOptimizer(optimizer, groups=1)
 model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 
 callbacks = [
-    # Horovod: copy rank 0's initial weights (and optimizer state) to every rank before the first step.
+    # Horovod: copy rank 0's weights (and optimizer state) to every rank at the end of the first batch.
     hvd.callbacks.BroadcastGlobalVariablesCallback(0),
     # Horovod: one step now processes a batch on every rank.
     Throughput(images_per_step=args.batch_size * hvd.size()),

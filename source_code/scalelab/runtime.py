@@ -29,13 +29,22 @@ def configure_threads(ranks_on_this_host: int = 1) -> int:
 
 
 def pin_gpu(local_rank: int) -> str | None:
-    """Make only GPU ``local_rank`` visible to TensorFlow (one GPU per rank); returns its name, or None on CPU."""
+    """Make only GPU ``local_rank`` visible to TensorFlow (one GPU per rank); returns its name, or None on CPU.
+
+    Raises RuntimeError when the host has no GPU left for ``local_rank``: two ranks sharing a GPU would compete
+    for its memory and compute, which silently slows the run down or runs it out of memory.
+    """
     import tensorflow as tf
 
     gpus = tf.config.list_physical_devices("GPU")
     if not gpus:
         return None
-    gpu = gpus[local_rank % len(gpus)]
+    if not 0 <= local_rank < len(gpus):
+        raise RuntimeError(
+            f"local rank {local_rank} has no GPU of its own: TensorFlow sees {len(gpus)} GPU(s) on this host, so "
+            f"ranks would have to share one. Run with -np no more than the GPUs per host ({len(gpus)} here; across "
+            f"hosts, -H host1:{len(gpus)},host2:{len(gpus)}).")
+    gpu = gpus[local_rank]
     tf.config.experimental.set_memory_growth(gpu, True)
     tf.config.set_visible_devices(gpu, "GPU")
     return gpu.name

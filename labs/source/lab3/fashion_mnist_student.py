@@ -54,6 +54,8 @@ if args.base_lr <= 0 or args.warmup_epochs < 0 or args.wd < 0 or not 0 <= args.m
 #                        and give it its share of the cores (configure_threads(hvd.local_size())).
 # FIXME(Horovod) step 3: decide here which rank prints, e.g. `is_chief = hvd.rank() == 0`.
 
+# FIXME(Horovod) step 6: with --seed every rank would shuffle its images the same way: unless each rank has its
+#                        own shard, all would train on the same batches. Seed each rank differently (add its rank).
 if args.seed is not None:
     tf.keras.utils.set_random_seed(args.seed)
 
@@ -86,7 +88,7 @@ optimizer = tf.keras.optimizers.SGD(learning_rate=learning_rate, momentum=args.m
 model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 
 callbacks = [
-    # FIXME(Horovod) step 5: broadcast rank 0's initial weights to every rank before the first step.
+    # FIXME(Horovod) step 5: broadcast rank 0's weights to every rank (done at the end of the first batch).
     # FIXME(Horovod) step 7: average the metrics over the ranks, before the callbacks that read them.
     # FIXME(Horovod) step 6: one step now processes a batch on every rank (images_per_step).
     Throughput(images_per_step=args.batch_size),

@@ -59,7 +59,7 @@ optimizer = hvd.DistributedOptimizer(optimizer, groups=1)
 model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 
 callbacks = [
-    # Horovod: copy rank 0's initial weights to every rank before the first step.
+    # Horovod: copy rank 0's weights to every rank, at the end of the first batch.
     hvd.callbacks.BroadcastGlobalVariablesCallback(0),
     # Horovod: average loss and accuracy over the ranks at each epoch's end, before they are printed.
     hvd.callbacks.MetricAverageCallback(),
