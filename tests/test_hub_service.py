@@ -177,6 +177,19 @@ def test_a_body_is_read_only_once_its_sender_is_known_and_never_beyond_a_submiss
     assert answer.startswith("HTTP/1.1 403 "), answer[:400]
 
 
+def test_a_token_the_hub_revoked_is_refused_at_once(hub):
+    """The service asked the Hub about a token once a minute: a revoked token still submitted for 60 s."""
+    student = hub.students["C"]
+    issued = hub.admin("POST", f"users/{student}/tokens", json={"note": "revoked by the test"})
+    assert issued.status_code == 201, issued.text
+    token = issued.json()["token"]
+    assert hub.api("GET", "assessments", token).status_code == 200
+    assert hub.admin("DELETE", f"users/{student}/tokens/{issued.json()['id']}").status_code == 204
+    answer = hub.api("GET", "assessments", token)
+    assert answer.status_code == 403 and "did not accept" in answer.json()["message"]
+    assert hub.api("POST", "assessments", token, json={"source": "x = 1\n"}).status_code == 403
+
+
 def test_two_submissions_at_once_make_one_active_job(hub):
     student = hub.students["B"]
     answers = []

@@ -203,6 +203,14 @@ def grader_environment() -> dict[str, str]:
             if not name.startswith(("JUPYTERHUB_", "JPY_")) and name != "CONFIGPROXY_AUTH_TOKEN"}
 
 
+class HubAskedEveryTime(HubOAuth):
+    """The Hub is asked about every request's token: one it revoked, or a student it removed, is refused at once
+    (JupyterHub's cache would keep answering yes for its age; an age of 0 means for ever)."""
+
+    def user_for_token(self, token, use_cache=True, session_id="", *, sync=True):
+        return super().user_for_token(token, use_cache=False, session_id=session_id, sync=sync)
+
+
 # --- the REST API -----------------------------------------------------------------------------------------------
 
 @web.stream_request_body
@@ -450,7 +458,7 @@ class HubAssessService(Application):
             raise ServiceRefused("$JUPYTERHUB_SERVICE_URL names no port: this service is started by JupyterHub "
                                  "(see register() in grader/service/hub.py), not by hand.")
         prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX") or f"/services/{SERVICE_NAME}/"
-        HubOAuth.instance(parent=self, cache_max_age=60)
+        HubAskedEveryTime.instance(parent=self)
         service = AssessService(None, parent=self, log=self.log)
         if service.allow_unsandboxed:
             raise ServiceRefused("AssessService.allow_unsandboxed cannot be used by the Hub service: an "
