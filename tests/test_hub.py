@@ -142,10 +142,16 @@ def test_the_students_home_is_theirs_alone(accounts, student_a_server):
 
 
 def test_a_student_cannot_read_the_instructors_material_in_the_checkout(accounts, student_a_server):
-    for private in ("assessment/solution/assessment.py", "labs/source/lab1/lab1_gradient_descent.ipynb"):
+    for private in ("assessment/solution/assessment.py", "labs/source/lab1/lab1_gradient_descent.ipynb",
+                    "source_code/fashion_mnist_horovod.py", "source_code/horovod_steps/step5_broadcast.py"):
         attempt = subprocess.run(["runuser", "-u", accounts["student_a"], "--", "cat", str(PROJECT_ROOT / private)],
                                  capture_output=True, text=True)
         assert attempt.returncode != 0 and "Permission denied" in attempt.stderr, private
+    # Nor through Git's history, which holds the same files.
+    for history in (["cat", str(PROJECT_ROOT / ".git" / "HEAD")], ["ls", str(PROJECT_ROOT / ".git" / "objects")]):
+        attempt = subprocess.run(["runuser", "-u", accounts["student_a"], "--", *history], capture_output=True,
+                                 text=True)
+        assert attempt.returncode != 0 and "Permission denied" in attempt.stderr, history
 
 
 def test_instructors_are_the_hub_group_instructors_and_nobody_is_admin(hub, accounts):

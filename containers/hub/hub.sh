@@ -250,10 +250,20 @@ chmod 0440 "$kernel_rule.new"
 visudo -cqf "$kernel_rule.new" || fail $EXIT_FAILED "visudo refused the rule for $kernel_helper."
 mv "$kernel_rule.new" "$kernel_rule"
 
-# The instructor's material in the checkout is no student's business: solutions, hidden tests, the gradebook.
-for private in labs/source assessment/solution labs/gradebook.db labs/submitted labs/autograded labs/feedback; do
+# The instructor's material in the checkout is no student's business: solutions (lab 3's worked conversion too),
+# hidden tests, the gradebook.
+for private in labs/source assessment/solution labs/gradebook.db labs/submitted labs/autograded labs/feedback \
+        source_code/fashion_mnist_horovod.py source_code/horovod_steps; do
     if [ -e "$project_root/$private" ]; then chmod go-rwx "$project_root/$private"; fi
 done
+# Git's history holds every one of them too (`git show HEAD:assessment/solution/assessment.py`): its folder is
+# root's alone, wherever it is (a worktree's .git is a file naming it).
+git_dir="$project_root/.git"
+if [ -f "$git_dir" ]; then
+    git_dir="$(sed -n 's/^gitdir: //p' "$git_dir")"
+    case "$git_dir" in /*) ;; *) git_dir="$project_root/$git_dir" ;; esac
+fi
+if [ -d "$git_dir" ]; then chmod go-rwx "$git_dir"; fi
 
 mkdir -p "$HUB_STATE"
 chmod 0700 "$HUB_STATE"
