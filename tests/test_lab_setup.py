@@ -1,23 +1,29 @@
 """scalelab.lab_setup: the student's view of the course (released labs and the assessment, never a solution, never
-overwriting the student's work) and the course's kernel. `make lab` end to end is tests/test_make_lab.py."""
+overwriting the student's work), the release of a lab's worked solution after the lab, and the course's kernel.
+`make lab` end to end is tests/test_make_lab.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import sysconfig
 import time
 from pathlib import Path
 
+import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 
 from conftest import PROJECT_ROOT
-from scalelab import lab_setup
+from scalelab import cli, lab_setup
 
 GENERATED = ("release", "submitted", "autograded", "feedback", "gradebook.db", "grades.csv", ".ipynb_checkpoints")
 ASSIGNMENTS = sorted(path.name for path in (PROJECT_ROOT / "labs" / "source").iterdir() if path.is_dir())
+LAB3_SOLUTION = ("source_code/fashion_mnist_horovod.py", "source_code/horovod_steps")
+# What runs the course (`make bench`), not course material: neither in the view nor a solution to release.
+COURSE_TOOLING = {"benchmarks"}
 
 
 def course_copy(root: Path) -> Path:
@@ -27,12 +33,41 @@ def course_copy(root: Path) -> Path:
     shutil.copytree(PROJECT_ROOT / "assessment", root / "assessment")
     (root / "student").mkdir()
     shutil.copy(PROJECT_ROOT / "student" / "START.md", root / "student" / "START.md")
-    (root / "source_code").mkdir()
+    shutil.copytree(PROJECT_ROOT / "source_code", root / "source_code", ignore=shutil.ignore_patterns("__pycache__"))
     return root
 
 
 def files_in(view: Path) -> set[str]:
     return {str(path.relative_to(view)) for path in view.rglob("*") if path.is_file() and not path.is_symlink()}
+
+
+def reachable(view: Path) -> set[Path]:
+    """Every real path a walk down ``view`` reaches, each link resolved and each folder (linked or not) entered."""
+    reached, entered, folders = set(), {view.resolve()}, [view]
+    while folders:
+        for entry in folders.pop().iterdir():
+            real = entry.resolve()
+            reached.add(real)
+            if real.is_dir() and real not in entered:
+                entered.add(real)
+                folders.append(entry)
+    return reached
+
+
+def solutions(course: Path) -> list[Path]:
+    """The worked solutions the view must not reach until released: lab 3's and the assessment's reference."""
+    return [course / relative for relative in (*LAB3_SOLUTION, "assessment/solution")]
+
+
+def assert_no_solution_reachable(view: Path, course: Path) -> None:
+    held_back = solutions(course)
+    solution_texts = {path.read_bytes() for folder in held_back
+                      for path in ([folder] if folder.is_file() else folder.rglob("*")) if path.is_file()}
+    for real in reachable(view):
+        for solution in held_back:
+            assert not real.is_relative_to(solution.resolve()), f"the view reaches {solution} at {real}"
+        if real.is_file():
+            assert real.read_bytes() not in solution_texts, f"{real} is a copy of a worked solution"
 
 
 def test_student_view_holds_the_released_labs_and_the_assessment_and_no_solution(tmp_path):
@@ -50,7 +85,10 @@ def test_student_view_holds_the_released_labs_and_the_assessment_and_no_solution
         assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text, path
     assert (view / "assessment" / "assessment.py").read_text() == (course / "assessment" / "assessment.py").read_text()
     assert not (view / "assessment" / "solution").exists() and not (view / "labs" / "source").exists()
-    assert (view / "source_code").resolve() == (course / "source_code").resolve()
+    assert (view / "source_code").is_dir() and not (view / "source_code").is_symlink()
+    assert sorted(path.name for path in (view / "source_code").iterdir()) == sorted(lab_setup.STUDENT_SOURCE)
+    for name in lab_setup.STUDENT_SOURCE:
+        assert (view / "source_code" / name).resolve() == (course / "source_code" / name).resolve(), name
     assert (view / "assessment" / "tracks.toml").resolve() == (course / "assessment" / "tracks.toml").resolve()
     assert not (course / "labs" / "gradebook.db").exists(), "the instructor's gradebook is left alone"
 
@@ -77,6 +115,106 @@ def test_student_view_keeps_the_students_work_and_brings_back_what_was_deleted(t
     assert "labs/quiz/quiz.ipynb" in report["kept"]
     restored = json.loads((view / "labs" / "lab1" / "lab1_gradient_descent.ipynb").read_text())
     assert "".join(restored["cells"][0]["source"]).startswith("# Lab 1, revised")
+
+
+def test_student_view_reaches_no_worked_solution_even_through_its_links(tmp_path):
+    course = course_copy(tmp_path / "course")
+    for folder in solutions(course):
+        assert folder.exists(), folder
+    # Outside the course (absolute links, as in the images) and inside it (relative links, as `make lab` makes).
+    for view in (tmp_path / "view", course / "student"):
+        lab_setup.build_student_view(view, course)
+
+        assert_no_solution_reachable(view, course)
+
+
+def test_student_view_has_what_the_labs_and_the_assessment_read_from_source_code(tmp_path):
+    course, view = course_copy(tmp_path / "course"), tmp_path / "view"
+    lab_setup.build_student_view(view, course)
+
+    held_back = {Path(relative).name for relative in LAB3_SOLUTION}
+    named = set()
+    for path in files_in(view):
+        named |= set(re.findall(r"source_code/(\w+(?:\.\w+)*)", (view / path).read_text()))
+    assert {"fashion_mnist.py", "cifar10_ladder.py"} <= named, "the labs name the scripts they run"
+    for name in named - held_back:
+        assert (view / "source_code" / name).exists(), f"the labs read source_code/{name}"
+    assert (view / "source_code" / "scalelab" / "__init__.py").is_file(), "the course library, to read"
+    assert (view / "source_code" / "scalelab" / "horovod_checks.py").is_file(), "lab 3's checks, to read"
+
+
+def test_every_entry_of_source_code_is_course_material_a_worked_solution_or_course_tooling():
+    entries = {path.name for path in (PROJECT_ROOT / "source_code").iterdir() if path.name != "__pycache__"}
+    solution_entries = {Path(relative).name for files in lab_setup.SOLUTIONS.values() for relative in files}
+
+    # A new file in source_code/ must be put in one of them: the view shows nothing by default.
+    assert entries == set(lab_setup.STUDENT_SOURCE) | solution_entries | COURSE_TOOLING
+    assert not set(lab_setup.STUDENT_SOURCE) & (solution_entries | COURSE_TOOLING)
+
+
+def test_releasing_lab3_adds_exactly_its_worked_solution_and_nothing_on_a_second_run(tmp_path):
+    course, view = course_copy(tmp_path / "course"), tmp_path / "view"
+    lab_setup.build_student_view(view, course)
+    before = reachable(view)
+
+    released = lab_setup.release_solutions(view, "lab3", course)
+
+    assert released == {"added": list(LAB3_SOLUTION), "kept": []}
+    lab3_solution = [course / relative for relative in LAB3_SOLUTION]
+    for relative, solution in zip(LAB3_SOLUTION, lab3_solution):
+        assert (view / relative).resolve() == solution.resolve()
+    newly_reached = reachable(view) - before
+    expected = {path.resolve() for solution in lab3_solution for path in [solution, *solution.rglob("*")]}
+    assert newly_reached == expected, "lab 3's worked solution and nothing else"
+    assert not any(real.is_relative_to((course / "assessment" / "solution").resolve()) for real in reachable(view))
+
+    assert lab_setup.release_solutions(view, "lab3", course) == {"added": [], "kept": list(LAB3_SOLUTION)}
+    lab_setup.build_student_view(view, course)
+    assert reachable(view) - before == expected, "rebuilding the view keeps a released solution"
+
+
+def test_release_solutions_command_says_what_it_added_and_refuses_an_unknown_lab(tmp_path, monkeypatch, capsys):
+    course, view = course_copy(tmp_path / "course"), tmp_path / "view"
+    # The kernel and JupyterLab settings go to the test's folder, not to the venv the suite runs in.
+    monkeypatch.setattr(lab_setup, "install_kernel", lambda: tmp_path / "kernel")
+    monkeypatch.setattr(lab_setup, "install_jupyterlab_settings", lambda: tmp_path / "settings")
+    command = ["lab-setup", "--student-view", str(view), "--course", str(course), "--release-solutions"]
+
+    assert cli.main([*command, "lab3"]) == cli.EXIT_OK
+    printed = capsys.readouterr().out
+    for relative in LAB3_SOLUTION:
+        assert relative in printed
+        assert (view / relative).resolve() == (course / relative).resolve()
+    assert cli.main([*command, "lab3"]) == cli.EXIT_OK
+    assert "already in the view" in capsys.readouterr().out
+
+    with pytest.raises(SystemExit) as unknown:
+        cli.main([*command, "lab9"])
+    assert unknown.value.code == cli.EXIT_USAGE
+    assert "lab9" in capsys.readouterr().err
+    assert cli.main(["lab-setup", "--release-solutions", "lab3"]) == cli.EXIT_USAGE
+    assert "--student-view" in capsys.readouterr().err
+
+
+def test_rebuilding_a_view_that_links_the_whole_source_code_replaces_the_link_with_the_students_folder(tmp_path):
+    course = course_copy(tmp_path / "course")
+    view = course / "student"
+    (view / "labs").mkdir()
+    mine = view / "labs" / "notes.md"
+    mine.write_text("my notes")
+    # What the view had before: one relative link to the course's whole source_code/, lab 3's solution included.
+    (view / "source_code").symlink_to(Path("..") / "source_code")
+
+    report = lab_setup.build_student_view(view, course)
+
+    assert (view / "source_code").is_dir() and not (view / "source_code").is_symlink()
+    assert report["replaced"] == ["source_code"]
+    assert (course / "source_code" / "fashion_mnist_horovod.py").is_file(), "the course's own folder is untouched"
+    assert_no_solution_reachable(view, course)
+    serial_script = Path("source_code") / "fashion_mnist.py"
+    assert (view / serial_script).resolve() == (course / serial_script).resolve()
+    assert mine.read_text() == "my notes"
+    assert lab_setup.build_student_view(view, course)["replaced"] == []
 
 
 def test_course_kernel_runs_this_python_with_its_scripts_first_on_path_and_the_courses_openmpi_settings(tmp_path):

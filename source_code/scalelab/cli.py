@@ -82,19 +82,38 @@ def doctor(args: argparse.Namespace) -> int:
 
 
 def lab_setup(args: argparse.Namespace) -> int:
-    """The course's kernel and JupyterLab settings; with --student-view, the student's view of the course."""
+    """The course's kernel and JupyterLab settings; with --student-view, the student's view of the course, and with
+    --release-solutions, the worked solutions of those labs added to it."""
     from . import lab_setup as setup
 
+    if args.release_solutions and not args.student_view:
+        print("scalelab lab-setup: --release-solutions needs --student-view DIR, the view to release them into",
+              file=sys.stderr)
+        return EXIT_USAGE
     print(f"kernel          {setup.install_kernel()}")
     print(f"jupyterlab      {setup.install_jupyterlab_settings()}")
     if args.student_view:
+        course = args.course or setup.COURSE_ROOT
         try:
-            report = setup.build_student_view(args.student_view, args.course or setup.COURSE_ROOT)
+            report = setup.build_student_view(args.student_view, course)
         except (OSError, RuntimeError) as error:
             print(f"scalelab lab-setup: the student's view could not be built: {error}", file=sys.stderr)
             return EXIT_PROBLEMS
         print(f"student view    {args.student_view}: {len(report['copied'])} files copied, "
               f"{len(report['kept'])} already there kept as they are")
+        if report["replaced"]:
+            print(f"student view    {args.student_view}: source_code/ was a link to the course's whole folder, "
+                  "worked solutions included; now a folder without them")
+        for lab in args.release_solutions or ():
+            try:
+                released = setup.release_solutions(args.student_view, lab, course)
+            except OSError as error:
+                print(f"scalelab lab-setup: {lab}'s worked solution could not be released: {error}", file=sys.stderr)
+                return EXIT_PROBLEMS
+            if released["added"]:
+                print(f"released        {lab}'s worked solution, added to the view: {', '.join(released['added'])}")
+            if released["kept"]:
+                print(f"released        {lab}: already in the view, kept as it is: {', '.join(released['kept'])}")
     return EXIT_OK
 
 
@@ -109,9 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
                               "(what `make lab` and `make test` run first)")
     lab.add_argument("--student-view", type=Path, metavar="DIR",
                      help="also fill DIR with the student's view: the released labs, the assessment, START.md "
-                          "(never a solution; files already there are kept)")
+                          "(no solution until --release-solutions; files already there are kept)")
     lab.add_argument("--course", type=Path, default=None, metavar="ROOT",
                      help="the course checkout the view comes from (default: the one this package lives in)")
+    from .lab_setup import SOLUTIONS
+    lab.add_argument("--release-solutions", nargs="+", choices=sorted(SOLUTIONS), metavar="LAB",
+                     help="after the lab, add the worked solution of LAB to the student's view (with --student-view; "
+                          f"labs with one: {', '.join(sorted(SOLUTIONS))})")
     lab.set_defaults(func=lab_setup)
     from . import classroom
     classroom.register(commands)

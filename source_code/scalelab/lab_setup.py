@@ -9,7 +9,9 @@
 - The student's view of the course: the released labs (nbgrader's ``labs/release/``, generated first when missing
   or older than ``labs/source/``), the assessment notebook and serial script, and the start page. Never
   ``labs/source/`` (solutions, hidden tests) nor ``assessment/solution/``. A file already in the view is the
-  student's work and is never overwritten. ``source_code/`` and the track file are links to the course's own.
+  student's work and is never overwritten. The track file is a link to the course's own; ``source_code/`` is a
+  folder of links to the course library and the scripts the labs run, never to a lab's worked solution until
+  ``release_solutions`` adds it, on purpose, after the lab (``scalelab lab-setup --release-solutions LAB``).
 """
 
 from __future__ import annotations
@@ -37,8 +39,13 @@ JUPYTERLAB_SETTINGS = {
 }
 # Copied into the view once; from then on they are the student's.
 ASSESSMENT_FILES = ("assessment.ipynb", "assessment.py")
+# The course's source_code/ also holds the worked solutions and the benchmarks, so the view's is a folder of its own
+# that links only these: the course library and the scripts the labs run.
+STUDENT_SOURCE = ("scalelab", "fashion_mnist.py", "cifar10_ladder.py")
+# Each lab's worked solution, out of the view until released after the lab.
+SOLUTIONS = {"lab3": ("source_code/fashion_mnist_horovod.py", "source_code/horovod_steps")}
 # Linked: the course's own, always current (the grader reads its own track file, never the view's).
-LINKS = ("source_code", "assessment/tracks.toml")
+LINKS = ("assessment/tracks.toml", *(f"source_code/{name}" for name in STUDENT_SOURCE))
 IGNORED = {"__pycache__"}
 
 
@@ -135,8 +142,21 @@ def release_labs(labs: Path) -> None:
                            f"{done.stderr[-2000:]}")
 
 
+def link_into_view(view: Path, course: Path, relative: str) -> bool:
+    """Link ``view/relative`` to the course's own unless something is there already; whether it was linked."""
+    link = view / relative
+    if os.path.lexists(link):
+        return False
+    link.parent.mkdir(parents=True, exist_ok=True)
+    # Relative inside the checkout (student/ moves with it), absolute elsewhere.
+    inside = view.is_relative_to(course)
+    link.symlink_to(os.path.relpath(course / relative, link.parent) if inside else course / relative)
+    return True
+
+
 def build_student_view(view: Path, course: Path = COURSE_ROOT) -> dict[str, list[str]]:
-    """Fill ``view`` with the student's view of ``course``; returns the files copied, kept and linked."""
+    """Fill ``view`` with the student's view of ``course``; returns the files copied, kept and linked, and
+    ``replaced``: ``source_code`` when a link to the course's whole folder gave way to the view's own."""
     view, course = Path(view).resolve(), Path(course).resolve()
     labs = course / "labs"
     copies = {}
@@ -149,7 +169,7 @@ def build_student_view(view: Path, course: Path = COURSE_ROOT) -> dict[str, list
         for name in ASSESSMENT_FILES:
             copies[Path("assessment") / name] = course / "assessment" / name
         copies[Path("START.md")] = course / "student" / "START.md"
-        report = {"copied": [], "kept": [], "linked": []}
+        report = {"copied": [], "kept": [], "linked": [], "replaced": []}
         for relative, source in copies.items():
             target = view / relative
             if target == source:
@@ -163,12 +183,25 @@ def build_student_view(view: Path, course: Path = COURSE_ROOT) -> dict[str, list
                 continue
             shutil.copymode(source, target)
             report["copied"].append(str(relative))
+        # A link standing for the whole of source_code/ shows the worked solutions: the view's own folder replaces
+        # it (removing a link removes nothing it points to).
+        if (view / "source_code").is_symlink():
+            (view / "source_code").unlink()
+            report["replaced"].append("source_code")
         for relative in LINKS:
-            link = view / relative
-            if not os.path.lexists(link):
-                link.parent.mkdir(parents=True, exist_ok=True)
-                # Relative inside the checkout (student/ moves with it), absolute elsewhere.
-                inside = view.is_relative_to(course)
-                link.symlink_to(os.path.relpath(course / relative, link.parent) if inside else course / relative)
-                report["linked"].append(str(relative))
+            if link_into_view(view, course, relative):
+                report["linked"].append(relative)
     return report
+
+
+def release_solutions(view: Path, lab: str, course: Path = COURSE_ROOT) -> dict[str, list[str]]:
+    """Add ``lab``'s worked solution to the student's view, on purpose, after the lab: links to the course's own.
+    Returns what was ``added`` and what was already there and ``kept`` (released before, or the student's own)."""
+    if lab not in SOLUTIONS:
+        raise ValueError(f"no worked solution to release for {lab!r} (there is one for {', '.join(SOLUTIONS)})")
+    view, course = Path(view).resolve(), Path(course).resolve()
+    released = {"added": [], "kept": []}
+    with locked(course / "labs"):
+        for relative in SOLUTIONS[lab]:
+            released["added" if link_into_view(view, course, relative) else "kept"].append(relative)
+    return released
