@@ -172,6 +172,33 @@ def test_adding_a_student_again_says_so_and_changes_nothing(accounts):
     assert Path("/etc/shadow").read_text() == shadow_before
 
 
+@pytest.mark.parametrize("password", ["", "short-pass1", "has:colon-in-it"])
+def test_a_password_that_is_short_or_not_one_line_is_refused_and_nothing_is_created(accounts, password):
+    name = random_name("slp")
+    attempt = scalelab_class("add-student", name, "--password-stdin", password=password)
+    assert attempt.returncode == 2, attempt.stderr
+    assert ("at least 12" in attempt.stderr) if ":" not in password else ("holds a ':'" in attempt.stderr)
+    assert name not in {entry.pw_name for entry in pwd.getpwall()}
+
+
+def test_failed_logins_lock_the_account_out_of_the_hub_for_a_while(hub, accounts):
+    """Password guessing: after 5 failures the right password is refused too, until the lock ends or is reset."""
+    name = accounts["student_b"]
+    try:
+        for _attempt in range(5):
+            _, answer = hub.login(name, "not-the-password-" + secrets.token_hex(4))
+            assert answer.status_code == 403
+        _, answer = hub.login(name, hub.passwords[name])
+        assert answer.status_code == 403, "a locked account is refused even with its password"
+        tally = subprocess.run(["faillock", "--user", name], capture_output=True, text=True, check=True).stdout
+        counted = [line for line in tally.splitlines()[2:] if line.split()[-1:] == ["V"]]
+        assert len(counted) >= 5, tally
+    finally:
+        subprocess.run(["faillock", "--user", name, "--reset"], check=True)
+    _, answer = hub.login(name, hub.passwords[name])
+    assert answer.status_code == 302, hub.log_text()
+
+
 def test_a_student_is_not_made_an_instructor_too(accounts):
     name = accounts["student_b"]
     attempt = scalelab_class("add-instructor", name)

@@ -234,6 +234,24 @@ directory, lab_tools, server_tools = Path(sys.argv[1]), sys.argv[2].split(), sys
 PY
 ) || fail $EXIT_FAILED "jupyter could not turn nbgrader's instructor tools off for students in $HUB_VENV."
 
+# The Hub's logins (c.PAMAuthenticator.service): the account's system password, with failed attempts counted per
+# account by pam_faillock: after 5 within 15 minutes the account cannot log in to the Hub for 5 minutes, the right
+# password included (`faillock --user NAME --reset` lets it in sooner). Only this service counts them.
+pam_service=/etc/pam.d/scalelab-hub
+faillock_options="deny=5 fail_interval=900 unlock_time=300"
+cat > "$pam_service.new" <<PAM
+# Installed by ScaleLab's make hub: JupyterHub's logins, throttled (see containers/hub/hub.sh).
+auth     requisite                pam_faillock.so preauth $faillock_options
+auth     [success=1 default=bad]  pam_unix.so
+auth     [default=die]            pam_faillock.so authfail $faillock_options
+auth     sufficient               pam_faillock.so authsucc $faillock_options
+auth     required                 pam_deny.so
+account  required                 pam_faillock.so
+@include common-account
+PAM
+chmod 0644 "$pam_service.new"
+mv "$pam_service.new" "$pam_service"
+
 # Autograding runs each student's notebook in the grading sandbox as a throw-away uid, which takes root: instructors
 # may run exactly this helper as root, nothing else (scalelab.grader.nbgrading.kernel_sandbox checks that the
 # folders it is given are the caller's own). Root's files: the wrapper, the rule and the venv it runs.

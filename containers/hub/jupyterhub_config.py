@@ -56,6 +56,7 @@ if Path("/usr/share/nodejs").is_dir():
 
 # Who may log in: the class, as `scalelab class` keeps it (checked at each login: no restart after adding someone).
 c.JupyterHub.authenticator_class = "pam"
+c.PAMAuthenticator.service = "scalelab-hub"  # make hub's PAM service: failed logins lock the account for a while
 c.PAMAuthenticator.allowed_groups = set(ROLE_GROUPS.values())
 c.Authenticator.allow_existing_users = False  # someone taken out of the class groups can no longer log in
 c.Authenticator.delete_invalid_users = True  # an account deleted from the system leaves the Hub at its restart

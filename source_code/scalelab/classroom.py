@@ -24,6 +24,8 @@ HUB_INSTRUCTORS_GROUP = "instructors"
 RESERVED_NAMES = {"root", "scalelab", "nobody", *ROLE_GROUPS.values()}
 # Portable POSIX user names, lowercase only: JupyterHub lowercases the name typed in its login form.
 VALID_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+# The Hub is reachable by the class, and its logins are throttled, not refused: passwords long enough not to guess.
+MIN_PASSWORD_LENGTH = 12
 PASSWORD_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # nothing that reads as another character
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NAME_TAKEN, EXIT_NOT_ROOT = 0, 1, 2, 3, 4
@@ -103,6 +105,15 @@ def ensure_group(group: str) -> None:
         run(["groupadd", "--system", group])
 
 
+def check_password(password: str) -> None:
+    if "\n" in password or ":" in password:
+        raise ClassError("the password given on standard input holds a ':' or a line break.", EXIT_BAD_INPUT)
+    if len(password) < MIN_PASSWORD_LENGTH:
+        raise ClassError(f"the password given on standard input has {len(password)} characters; a class account's "
+                         f"takes at least {MIN_PASSWORD_LENGTH} (or leave --password-stdin out for a generated one).",
+                         EXIT_BAD_INPUT)
+
+
 def generated_password() -> str:
     return "-".join("".join(secrets.choice(PASSWORD_ALPHABET) for _ in range(4)) for _ in range(4))
 
@@ -111,6 +122,8 @@ def add_member(name: str, role: str, password: str | None) -> str:
     """Create the account ``name`` in the class with ``role``; returns what was done, in a sentence.
     ``password`` None: a generated one is set and returned in the sentence."""
     check_name(name)
+    if password is not None:
+        check_password(password)
     if os.geteuid() != 0:
         raise ClassError(f"scalelab class add-{role} must run as root (it creates a system account): "
                          f"sudo scalelab class add-{role} {name}", EXIT_NOT_ROOT)
@@ -127,9 +140,6 @@ def add_member(name: str, role: str, password: str | None) -> str:
     if group_exists(name):
         raise ClassError(f"the name {name} belongs to a group of this system: choose another name.",
                          EXIT_NAME_TAKEN)
-    if password is not None and (not password or "\n" in password or ":" in password):
-        raise ClassError("the password given on standard input is empty or holds a ':' or a line break.",
-                         EXIT_BAD_INPUT)
 
     ensure_group(ROLE_GROUPS[role])
     run(["useradd", "--create-home", "--user-group", "--shell", "/bin/bash", "--groups", ROLE_GROUPS[role],
