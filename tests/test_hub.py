@@ -15,9 +15,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+import requests
 
 from conftest import PROJECT_ROOT
-from hubtools import HUB_VENV, accounts, hub, random_name, remove_account, scalelab_class, spawn  # noqa: F401
+from hubtools import (HUB_VENV, accounts, hub, processes_of, random_name, remove_account,  # noqa: F401
+                      scalelab_class, spawn)
 
 # The first `make hub` on a machine installs the shared venv (Horovod is compiled unless .venv's wheel is kept).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -197,6 +199,42 @@ def test_failed_logins_lock_the_account_out_of_the_hub_for_a_while(hub, accounts
         subprocess.run(["faillock", "--user", name, "--reset"], check=True)
     _, answer = hub.login(name, hub.passwords[name])
     assert answer.status_code == 302, hub.log_text()
+
+
+def test_removing_a_student_ends_their_server_tokens_and_logins_at_once(hub):
+    """Before, nothing took a student out: a token kept working, a running server kept running."""
+    name, password = random_name("slr"), secrets.token_urlsafe(12)
+    try:
+        assert scalelab_class("add-student", name, "--password-stdin", password=password).returncode == 0
+        session, answer = hub.login(name, password)
+        assert answer.status_code == 302, hub.log_text()
+        spawn(hub, session, name)
+        admin = json.loads((hub.state / "class-admin.json").read_text())
+        assert (hub.state / "class-admin.json").stat().st_mode & 0o077 == 0, "the class service's token is root's"
+        issued = requests.post(f"{admin['api_url']}/users/{name}/tokens", timeout=30, json={"note": "test"},
+                               headers={"Authorization": f"token {admin['token']}"})
+        assert issued.status_code == 201, issued.text
+        token = issued.json()["token"]
+        assert requests.get(f"{hub.url}/hub/api/user", headers={"Authorization": f"token {token}"},
+                            timeout=30).status_code == 200
+        uid = pwd.getpwnam(name).pw_uid
+        assert processes_of(uid), "their server runs"
+
+        removed = scalelab_class("remove", name, "--hub-state", str(hub.state))
+        assert removed.returncode == 0, removed.stderr
+        assert f"removed student {name}" in removed.stdout and "forgot them and their tokens" in removed.stdout
+
+        assert requests.get(f"{hub.url}/hub/api/user", headers={"Authorization": f"token {token}"},
+                            timeout=30).status_code == 403, "their token ended"
+        assert not processes_of(uid), "their server and kernels ended"
+        _, answer = hub.login(name, password)
+        assert answer.status_code == 403, "they cannot log in again"
+        groups = subprocess.run(["id", "-nG", name], capture_output=True, text=True).stdout
+        assert "scalelab-students" not in groups
+        again = scalelab_class("remove", name, "--hub-state", str(hub.state))
+        assert again.returncode == 2 and "is not in the class" in again.stderr
+    finally:
+        remove_account(name)
 
 
 def test_a_student_is_not_made_an_instructor_too(accounts):

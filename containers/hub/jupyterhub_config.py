@@ -14,6 +14,7 @@ add-student`) and each gets JupyterLab as their own uid, from the shared venv, o
 """
 
 import asyncio
+import json
 import os
 import pwd
 import secrets
@@ -44,6 +45,19 @@ if not token_file.exists():
 # Kept across restarts, so a Hub restarted while its proxy still runs can talk to it.
 c.ConfigurableHTTPProxy.auth_token = token_file.read_text().strip()
 c.ConfigurableHTTPProxy.pid_file = str(state / "proxy.pid")
+# `scalelab class remove` (run as root) reaches the Hub's REST API as the service scalelab-class: it stops a removed
+# student's server and deletes them, with their tokens, at once. Its token and the API's URL, root's alone.
+class_admin_file = state / "class-admin.json"
+try:
+    class_admin_token = json.loads(class_admin_file.read_text())["token"]
+except (OSError, ValueError, KeyError):
+    class_admin_token = secrets.token_hex(32)
+with open(f"{class_admin_file}.new", "w", opener=lambda name, flags: os.open(name, flags, 0o600)) as settings:
+    json.dump({"api_url": f"http://127.0.0.1:{internal_port}/hub/api", "token": class_admin_token}, settings)
+os.replace(f"{class_admin_file}.new", class_admin_file)
+c.JupyterHub.services.append({"name": "scalelab-class", "api_token": class_admin_token})
+c.JupyterHub.load_roles.append({"name": "scalelab-class", "services": ["scalelab-class"],
+                                "scopes": ["admin:users", "admin:servers", "tokens"]})
 
 c.JupyterHub.ip = hub_ip
 c.JupyterHub.port = hub_port

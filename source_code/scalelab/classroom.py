@@ -3,12 +3,17 @@
 The class is kept where the system keeps accounts: two Unix groups. JupyterHub admits their members and nobody else
 (``PAMAuthenticator.allowed_groups``) and puts the members of ``scalelab-instructors`` in its group ``instructors``
 at each login (containers/hub/jupyterhub_config.py), so a change here needs no restart of the Hub.
+
+Removing someone takes effect at once: the account leaves the class groups and is locked, the Hub (through its
+REST API, with the token of its service ``scalelab-class`` that only root can read in the Hub's state) stops their
+server and forgets them with every token they had, and whatever still runs as them is killed. Their home stays.
 """
 
 from __future__ import annotations
 
 import argparse
 import grp
+import json
 import os
 import pwd
 import re
@@ -16,6 +21,9 @@ import secrets
 import shutil
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 ROLE_GROUPS = {"student": "scalelab-students", "instructor": "scalelab-instructors"}
@@ -29,6 +37,10 @@ MIN_PASSWORD_LENGTH = 12
 PASSWORD_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # nothing that reads as another character
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NAME_TAKEN, EXIT_NOT_ROOT = 0, 1, 2, 3, 4
+# Written by containers/hub/jupyterhub_config.py at each start of the Hub: its API's URL and the class service's token.
+HUB_STATE_VARIABLE = "SCALELAB_HUB_STATE"
+DEFAULT_HUB_STATE = "/var/lib/scalelab-hub"
+CLASS_ADMIN_FILE = "class-admin.json"
 
 
 class ClassError(Exception):
@@ -191,6 +203,65 @@ def add_command(role: str):
     return command
 
 
+def remove_member(name: str, hub_state: Path) -> str:
+    """Take ``name`` out of the class at once (see the module docstring); returns what was done, in a sentence."""
+    check_name(name)
+    if os.geteuid() != 0:
+        raise ClassError(f"scalelab class remove must run as root: sudo scalelab class remove {name}", EXIT_NOT_ROOT)
+    role = role_of(name)
+    if role is None:
+        raise ClassError(f"{name} is not in the class: nothing to remove.", EXIT_BAD_INPUT)
+    uid = account(name).pw_uid
+    # First no new login (PAM: not a member, account locked), then the Hub, then what still runs.
+    for group in ROLE_GROUPS.values():
+        if in_group(name, group):
+            run(["gpasswd", "--delete", name, group])
+    run(["usermod", "--lock", "--expiredate", "1", name])
+    hub_said = forget_at_the_hub(name, hub_state)
+    subprocess.run(["pkill", "--signal", "KILL", "--uid", str(uid)], capture_output=True)
+    return (f"removed {role} {name}: out of the class's groups, account locked, its processes ended; {hub_said} "
+            f"Their home {account(name).pw_dir} is kept.")
+
+
+def forget_at_the_hub(name: str, hub_state: Path) -> str:
+    """Stop ``name``'s server and delete them, with their tokens, from the Hub; a sentence on how it went."""
+    try:
+        settings = json.loads((Path(hub_state) / CLASS_ADMIN_FILE).read_text())
+        api_url, token = settings["api_url"], settings["token"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ClassError(f"the Hub's class settings in {hub_state} cannot be read ({error}); the account is out of "
+                         f"the class, but the Hub still has its server and tokens: run this again once `make hub` "
+                         f"has started (HUB_STATE / {HUB_STATE_VARIABLE} names its state).", EXIT_FAILED) from None
+    request = urllib.request.Request(f"{api_url.rstrip('/')}/users/{name}", method="DELETE",
+                                     headers={"Authorization": f"token {token}"})
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=60):
+                return "the Hub stopped their server and forgot them and their tokens."
+        except urllib.error.HTTPError as error:
+            if error.code == 404:
+                return "the Hub had no record of them."
+            if error.code == 400 and time.monotonic() < deadline:  # their server is stopping: asked again
+                time.sleep(1)
+                continue
+            problem = f"the Hub answered {error.code} {error.reason}"
+        except OSError as error:
+            problem = f"the Hub at {api_url} did not answer ({error})"
+        raise ClassError(f"{problem}; the account is out of the class, but the Hub may still have its server and "
+                         f"tokens: run this again once the Hub runs.", EXIT_FAILED)
+
+
+def remove_command(args: argparse.Namespace) -> int:
+    hub_state = Path(args.hub_state or os.environ.get(HUB_STATE_VARIABLE) or DEFAULT_HUB_STATE)
+    try:
+        print(remove_member(args.name, hub_state))
+    except ClassError as error:
+        print(f"scalelab class: {error}", file=sys.stderr)
+        return error.exit_code
+    return EXIT_OK
+
+
 def list_command(args: argparse.Namespace) -> int:
     rows = members()
     if not rows:
@@ -219,6 +290,12 @@ def register(commands: argparse._SubParsersAction) -> None:
                          help="read the password from the first line of standard input (default: print a generated "
                               "one, once)")
         add.set_defaults(func=add_command(role))
+    remove = actions.add_parser("remove", help="take a student or instructor out of the class at once (as root): "
+                                               "no login, server stopped, tokens revoked; the home is kept")
+    remove.add_argument("name", metavar="NAME")
+    remove.add_argument("--hub-state", default=None, metavar="DIR",
+                        help=f"the Hub's state folder (default: ${HUB_STATE_VARIABLE}, else {DEFAULT_HUB_STATE})")
+    remove.set_defaults(func=remove_command)
     show = actions.add_parser("list", help="name, role and whether the account exists, for everyone in the class")
     show.set_defaults(func=list_command)
     from . import class_gradebook
