@@ -237,6 +237,22 @@ def test_removing_a_student_ends_their_server_tokens_and_logins_at_once(hub):
         remove_account(name)
 
 
+def test_an_instructor_cannot_change_the_nbgrader_configuration_every_instructor_runs(hub, accounts):
+    course = hub.nbgrader_home / "course"
+    instructor = accounts["instructor"]
+    for attempt in (["mv", str(course / "nbgrader_config.py"), str(course / "moved.py")],
+                    ["rm", "-f", str(course / "nbgrader_config.json")],
+                    ["sh", "-c", f"echo '{{\"Exchange\": {{}}}}' > {course / 'nbgrader_config.json'}"]):
+        done = subprocess.run(["runuser", "-u", instructor, "--", *attempt], capture_output=True, text=True)
+        said = done.stderr + done.stdout
+        assert done.returncode != 0 and ("Permission denied" in said or "Operation not permitted" in said), attempt
+    assert (course / "nbgrader_config.json").read_text() == "{}\n"
+    # The course directory is still theirs to work in.
+    work = subprocess.run(["runuser", "-u", instructor, "--", "sh", "-c", f"echo notes > {course / 'notes.txt'} && "
+                           f"rm {course / 'notes.txt'}"], capture_output=True, text=True)
+    assert work.returncode == 0, work.stderr
+
+
 def test_a_student_is_not_made_an_instructor_too(accounts):
     name = accounts["student_b"]
     attempt = scalelab_class("add-instructor", name)

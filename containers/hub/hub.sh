@@ -192,6 +192,12 @@ chgrp -R scalelab-instructors "$course_dir/source"
 # The course's configuration (root, gradebook, autograding), as in the checkout; code every instructor's nbgrader
 # runs, so only root writes it.
 install -m 0640 -o root -g scalelab-instructors "$project_root/labs/nbgrader_config.py" "$course_dir/nbgrader_config.py"
+# nbgrader reads nbgrader_config.json beside it too: an empty one of root's, so that no instructor can add one. The
+# folder is sticky: instructors make and change their own files there, but cannot rename, replace or remove root's.
+printf '{}\n' > "$course_dir/nbgrader_config.json"
+chown root:scalelab-instructors "$course_dir/nbgrader_config.json"
+chmod 0640 "$course_dir/nbgrader_config.json"
+chmod 3770 "$course_dir"
 # The one gradebook, made here so that it is the group's: every instructor writes it (SQLite gives its journal the
 # database's mode).
 if [ ! -e "$course_dir/gradebook.db" ]; then
