@@ -1,4 +1,4 @@
-"""`scalelab class gradebook` (source_code/scalelab/class_gradebook.py): the class page's rows into a real nbgrader
+"""`scalelab class gradebook` (grader/classroom/gradebook.py): the class page's rows into a real nbgrader
 gradebook, read back with `nbgrader export`. The rows are made by the service's own code (classpage.csv_text);
 the service itself is a small local stand-in here (tests/test_hub_class_gradebook.py asks the real one)."""
 
@@ -21,7 +21,7 @@ from sqlalchemy.exc import SAWarning
 from conftest import PROJECT_ROOT, VENV_BIN, subprocess_env
 from labtools import nbgrader
 
-from scalelab import class_gradebook
+from scalelab.grader.classroom import gradebook as class_gradebook
 from scalelab.grader.queue import DONE
 from scalelab.grader.service import classpage
 

@@ -1,30 +1,31 @@
-"""scalelab.classroom without system accounts: the names it accepts and how the course reaches a student's home.
+"""scalelab.grader.classroom without system accounts: the names it accepts and how the course reaches a student's home.
 (tests/test_hub.py runs the `scalelab class` commands themselves, as root, with real accounts.)"""
 
 from __future__ import annotations
 
 import pytest
 
-from scalelab import classroom
+from scalelab.grader.classroom import accounts
+from scalelab.grader.classroom.course import copy_course
 
 
 @pytest.mark.parametrize("name", ["alice", "bob_2", "x", "_svc", "a-b", "a" * 32])
 def test_portable_lowercase_user_names_are_accepted(name):
-    classroom.check_name(name)
+    accounts.check_name(name)
 
 
 @pytest.mark.parametrize("name", ["Alice", "1st", "-rf", "a.b", "a b", "café", "a" * 33, "", "a\n"])
 def test_names_that_are_not_portable_lowercase_user_names_are_refused(name):
-    with pytest.raises(classroom.ClassError, match="not a valid user name") as refused:
-        classroom.check_name(name)
-    assert refused.value.exit_code == classroom.EXIT_BAD_INPUT
+    with pytest.raises(accounts.ClassError, match="not a valid user name") as refused:
+        accounts.check_name(name)
+    assert refused.value.exit_code == accounts.EXIT_BAD_INPUT
 
 
 @pytest.mark.parametrize("name", ["root", "scalelab", "nobody", "scalelab-students", "scalelab-instructors"])
 def test_reserved_names_are_refused(name):
-    with pytest.raises(classroom.ClassError, match="is reserved") as refused:
-        classroom.check_name(name)
-    assert refused.value.exit_code == classroom.EXIT_BAD_INPUT
+    with pytest.raises(accounts.ClassError, match="is reserved") as refused:
+        accounts.check_name(name)
+    assert refused.value.exit_code == accounts.EXIT_BAD_INPUT
 
 
 @pytest.fixture()
@@ -38,19 +39,19 @@ def course(tmp_path):
 
 
 def test_the_course_is_copied_into_an_empty_home(course, tmp_path):
-    copied = classroom.copy_course(course, tmp_path / "home" / "scalelab")
+    copied = copy_course(course, tmp_path / "home" / "scalelab")
     assert sorted(copied) == ["assessment/assessment.py", "labs/lab1/lab1.ipynb"]
     assert (tmp_path / "home" / "scalelab" / "labs" / "lab1" / "lab1.ipynb").read_text() == "released lab 1"
 
 
 def test_a_students_file_is_never_overwritten_and_what_is_missing_arrives(course, tmp_path):
     home = tmp_path / "home" / "scalelab"
-    classroom.copy_course(course, home)
+    copy_course(course, home)
     (home / "assessment" / "assessment.py").write_text("my Horovod version")
     (home / "labs" / "lab1" / "lab1.ipynb").unlink()
     (course / "labs" / "lab2").mkdir()
     (course / "labs" / "lab2" / "lab2.ipynb").write_text("released later")
-    copied = classroom.copy_course(course, home)
+    copied = copy_course(course, home)
     assert sorted(copied) == ["labs/lab1/lab1.ipynb", "labs/lab2/lab2.ipynb"]
     assert (home / "assessment" / "assessment.py").read_text() == "my Horovod version"
 
@@ -60,5 +61,5 @@ def test_a_link_the_student_left_in_place_of_a_file_is_not_followed(course, tmp_
     (home / "assessment").mkdir(parents=True)
     elsewhere = tmp_path / "elsewhere.py"
     (home / "assessment" / "assessment.py").symlink_to(elsewhere)
-    classroom.copy_course(course, home)
+    copy_course(course, home)
     assert not elsewhere.exists()

@@ -13,7 +13,7 @@ instructor can carry on what another one started.
 import grp
 import os
 
-from scalelab.classroom import ROLE_GROUPS
+from scalelab.grader.classroom.accounts import ROLE_GROUPS
 
 NBGRADER_HOME = "/srv/nbgrader"  # hub.sh writes HUB_NBGRADER here
 

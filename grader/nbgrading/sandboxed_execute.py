@@ -25,7 +25,7 @@ from typing import Any
 from jupyter_client.provisioning import LocalProvisioner
 from traitlets import Float, Integer, List, Unicode, default
 
-from scalelab.classroom import ROLE_GROUPS
+from ..classroom.accounts import ROLE_GROUPS
 from scalelab.grader.nbgrading.kernel_sandbox import DEFAULT_MEMORY_LIMIT_BYTES, DEFAULT_TIME_LIMIT_S, \
     allowed_environment
 from scalelab.headless import Execute as PollingExecute, PollingKernelManager

@@ -36,14 +36,13 @@ from tornado import web
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError
 from tornado.httputil import url_concat
 
-from scalelab.classroom import HUB_INSTRUCTORS_GROUP
-
 from .. import jobfiles
+from ..classroom.accounts import HUB_INSTRUCTORS_GROUP
 from ..pipeline import SUBMISSION_SIZE_LIMIT_BYTES
 from ..queue import ACTIVE_STATES, DONE, MAX_JOB_ID
 from ..serve import AssessService, SubmissionProblem
 from ..workers import utc_iso
-from .hub import ServiceHandler
+from .handlers import SERVICE_PREFIX_KEY, ServiceHandler
 
 # Best first; a verdict not listed comes after these.
 VERDICT_ORDER = ("pass", "fail", "timeout", "error")
@@ -425,7 +424,7 @@ class InstructorPage(ServiceHandler):
 
     @property
     def prefix(self) -> str:
-        return self.settings["scalelab_service_prefix"]
+        return self.settings[SERVICE_PREFIX_KEY]
 
     @property
     def instructor(self) -> str:

@@ -46,20 +46,20 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from jupyterhub.services.auth import HubOAuth, HubOAuthCallbackHandler, HubOAuthenticated
+from jupyterhub.services.auth import HubOAuthCallbackHandler
 from jupyterhub.utils import url_path_join
-from tornado import httputil, web
-from tornado.ioloop import IOLoop
+from tornado import web
 from traitlets import Unicode, default
 from traitlets.config import Application
 
 from scalelab import data as course_data
-from scalelab.classroom import HUB_INSTRUCTORS_GROUP
 
 from .. import sandbox
+from ..classroom.accounts import HUB_INSTRUCTORS_GROUP
 from ..pipeline import SUBMISSION_SIZE_LIMIT_BYTES
 from ..queue import MAX_JOB_ID
 from ..serve import AssessService, SubmissionProblem, send_problem
+from .handlers import SERVICE_PREFIX_KEY, SERVICE_SETTINGS_KEY, HubAskedEveryTime, ServiceHandler
 
 SERVICE_NAME = "scalelab"
 SERVICE_USER = "scalelab"
@@ -69,14 +69,9 @@ STATE_DIR_VARIABLE = "SCALELAB_SERVICE_STATE"
 SERVICE_URL_VARIABLE = "SCALELAB_ASSESS_SERVICE_URL"
 # JSON escapes may take up to 6 characters per byte of source; beyond that a body cannot hold a submission.
 JSON_BODY_LIMIT_BYTES = 6 * SUBMISSION_SIZE_LIMIT_BYTES + 4096
-# What any other request may carry (the class page's regrade form): no page of the service takes more.
-FORM_BODY_LIMIT_BYTES = 256 << 10
-BODY_METHODS = ("POST", "PUT", "PATCH", "DELETE")
 FILENAME = re.compile(r"[A-Za-z0-9_.-]{1,100}\.py")
 # The Hub starts a managed service again as soon as it exits: a refusal waits first, so it is not a hot loop.
 PAUSE_BEFORE_EXIT_S = 10.0
-SERVICE_SETTINGS_KEY = "scalelab_assess_service"
-SERVICE_PREFIX_KEY = "scalelab_service_prefix"
 
 
 class ServiceRefused(Exception):
@@ -203,117 +198,7 @@ def grader_environment() -> dict[str, str]:
             if not name.startswith(("JUPYTERHUB_", "JPY_")) and name != "CONFIGPROXY_AUTH_TOKEN"}
 
 
-class HubAskedEveryTime(HubOAuth):
-    """The Hub is asked about every request's token: one it revoked, or a student it removed, is refused at once
-    (JupyterHub's cache would keep answering yes for its age; an age of 0 means for ever)."""
-
-    def user_for_token(self, token, use_cache=True, session_id="", *, sync=True):
-        return super().user_for_token(token, use_cache=False, session_id=session_id, sync=sync)
-
-
 # --- the REST API -----------------------------------------------------------------------------------------------
-
-@web.stream_request_body
-class ServiceHandler(HubOAuthenticated, web.RequestHandler):
-    """Common ground: the Hub's user, JSON errors, blocking database work off the event loop.
-
-    A body is read only once its sender is known: Tornado hands it over after :meth:`prepare`, which answers 401,
-    403 or 413 first when the credentials or the declared length say no, and caps what is read at
-    ``body_limit_bytes`` (beyond it Tornado closes the connection)."""
-
-    body_limit_bytes = FORM_BODY_LIMIT_BYTES
-
-    @property
-    def service(self) -> AssessService:
-        return self.settings[SERVICE_SETTINGS_KEY]
-
-    def initialize(self):
-        self._body_parts: list[bytes] = []
-
-    async def prepare(self):
-        # Asks the Hub once, without blocking the loop; current_user then reads the cached answer.
-        await self.hub_auth.get_user(self, sync=False)
-        self._sender_known_after_form = False
-        if self.request.method not in BODY_METHODS:
-            return
-        limit = self.body_limit_bytes
-        if self.current_user is None and self._browser_form():
-            # A browser's form carries its _xsrf token in the body, and the Hub's cookie counts only with it: its
-            # sender is checked once the form, capped small, is read (read_form).
-            self._sender_known_after_form = True
-            limit = min(limit, FORM_BODY_LIMIT_BYTES)
-        else:
-            self.check_sender()
-        declared = self.request.headers.get("Content-Length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise web.HTTPError(413, f"The request is {int(declared)} bytes, more than this page takes ({limit} "
-                                     f"bytes); nothing of it was read.")
-        self.request.connection.set_max_body_size(limit)
-
-    def _browser_form(self) -> bool:
-        content_type = self.request.headers.get("Content-Type", "").split(";")[0].strip().lower()
-        return (bool(self.get_cookie(self.hub_auth.cookie_name))
-                and content_type in ("application/x-www-form-urlencoded", "multipart/form-data"))
-
-    def check_sender(self) -> None:
-        """Who may send a body here (401/403 otherwise): a Hub user."""
-        _ = self.student
-
-    def data_received(self, chunk: bytes) -> None:
-        if not self._finished and self.request.method in BODY_METHODS:
-            self._body_parts.append(chunk)
-
-    @property
-    def body(self) -> bytes:
-        return b"".join(self._body_parts)
-
-    async def read_form(self) -> None:
-        """The form body parsed into Tornado's body arguments (Tornado parses no streamed body); a browser's
-        sender is checked now, with the form's _xsrf token."""
-        httputil.parse_body_arguments(self.request.headers.get("Content-Type", ""), self.body,
-                                      self.request.body_arguments, self.request.files, self.request.headers)
-        for name, values in self.request.body_arguments.items():
-            self.request.arguments.setdefault(name, []).extend(values)
-        if self._sender_known_after_form:
-            # JupyterHub and Tornado keep their answer for the request, given before the form's _xsrf was seen.
-            for answer in ("_cached_hub_user", "_hub_auth_user_cache", "_current_user"):
-                self.__dict__.pop(answer, None)
-            await self.hub_auth.get_user(self, sync=False)
-            self._sender_known_after_form = False
-        self.check_sender()
-
-    def set_default_headers(self):
-        self.set_header("Content-Type", "application/json; charset=UTF-8")
-        self.set_header("Cache-Control", "no-store")
-        self.set_header("X-Content-Type-Options", "nosniff")
-
-    def write_error(self, status_code, **kwargs):
-        error = kwargs.get("exc_info", (None, None))[1]
-        message = error.log_message if isinstance(error, web.HTTPError) and error.log_message else self._reason
-        if status_code == 401:
-            self.set_header("WWW-Authenticate", 'token realm="JupyterHub"')
-        self.finish({"message": message, "reason": None})
-
-    @property
-    def student(self) -> str:
-        """The Hub user making the request; 401 without credentials, 403 with ones the Hub did not accept."""
-        user = self.current_user
-        if user is None:
-            presented = self.request.headers.get("Authorization") or self.get_cookie(self.hub_auth.cookie_name)
-            if presented:
-                raise web.HTTPError(403, "JupyterHub did not accept these credentials for the Assess service: "
-                                         "log in to the Hub again, or use your own API token.")
-            raise web.HTTPError(401, "Log in to JupyterHub first: the Assess service takes the Hub's login "
-                                     "cookie or your own API token (Authorization: token ...).")
-        if user.get("kind", "user") != "user":
-            raise web.HTTPError(403, f"{user.get('kind')} {user.get('name')} is not a student: only a Hub user "
-                                     f"can submit and see assessments.")
-        return user["name"]
-
-    async def blocking(self, function, *args):
-        # SQLite may wait for its write lock; keep the service answering meanwhile.
-        return await IOLoop.current().run_in_executor(None, function, *args)
-
 
 class NotFoundHandler(ServiceHandler):
     async def prepare(self):
@@ -405,7 +290,7 @@ class AssessmentHandler(ServiceHandler):
 
 
 def make_app(service: AssessService, prefix: str, cookie_secret: bytes) -> web.Application:
-    from . import classpage  # its handlers build on this module's
+    from . import classpage
 
     api = url_path_join(prefix, "api")
     return web.Application([

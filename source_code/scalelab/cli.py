@@ -1,4 +1,4 @@
-"""The ``scalelab`` command: ``doctor`` and ``lab-setup`` here, ``class`` from classroom.py; ``assess``, ``grade``
+"""The ``scalelab`` command: ``doctor`` and ``lab-setup`` here, ``class`` from grader/classroom/commands.py; ``assess``, ``grade``
 and ``calibrate`` come from the grader."""
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="after the lab, add the worked solution of LAB to the student's view (with --student-view; "
                           f"labs with one: {', '.join(sorted(SOLUTIONS))})")
     lab.set_defaults(func=lab_setup)
-    from . import classroom
-    classroom.register(commands)
+    from scalelab.grader.classroom import commands as class_commands
+    class_commands.register(commands)
     try:
         from scalelab.grader import commands as grader_commands
     except ImportError as error:  # the course library must stay usable if the grader is broken

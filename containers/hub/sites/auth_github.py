@@ -26,7 +26,7 @@ REQUIRE_CLASS_ACCOUNT = True
 # not in the group scalelab-students, no password) instead of `scalelab class add-student` beforehand.
 CREATE_SYSTEM_USERS = False
 
-INSTRUCTORS_GROUP = "instructors"  # the Hub group the class page admits (scalelab.classroom.HUB_INSTRUCTORS_GROUP)
+INSTRUCTORS_GROUP = "instructors"  # the Hub group the class page admits (scalelab.grader.classroom.accounts.HUB_INSTRUCTORS_GROUP)
 
 # `c`: the config being loaded. Every loader of such files defines it: JupyterHub's, make hub's HUB_CONFIG_D,
 # TLJH's load_subconfig, and the Helm chart's exec of hub.extraConfig (z2jh, where get_config is a function of
@@ -58,7 +58,7 @@ c.GitHubOAuthenticator.auth_state_groups_key = instructors_from_teams
 
 def class_account_required(authenticator, handler, authentication):
     """Under make hub, only a Hub user with a class account (`scalelab class add-*`) can start a server."""
-    from scalelab.classroom import role_of
+    from scalelab.grader.classroom.accounts import role_of
 
     name = authentication["name"]
     if role_of(name) is None:

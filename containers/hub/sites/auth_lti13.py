@@ -22,7 +22,7 @@ LMS_JWKS_URL = "https://lms.example.edu/mod/lti/certs.php"
 # without one is refused here with a sentence rather than failing at spawn. False under TLJH or Kubernetes.
 REQUIRE_CLASS_ACCOUNT = True
 
-INSTRUCTORS_GROUP = "instructors"  # the Hub group the class page admits (scalelab.classroom.HUB_INSTRUCTORS_GROUP)
+INSTRUCTORS_GROUP = "instructors"  # the Hub group the class page admits (scalelab.grader.classroom.accounts.HUB_INSTRUCTORS_GROUP)
 ROLES_CLAIM = "https://purl.imsglobal.org/spec/lti/claim/roles"
 # Add "http://purl.imsglobal.org/vocab/lis/v2/membership/Instructor#TeachingAssistant" to let TAs in.
 INSTRUCTOR_ROLES = {"http://purl.imsglobal.org/vocab/lis/v2/membership#Instructor"}
@@ -50,7 +50,7 @@ def class_member_from_lms(authenticator, handler, authentication):
     """The launch's LTI roles decide the Hub group `instructors`; under make hub, the account must exist."""
     name = authentication["name"]
     if REQUIRE_CLASS_ACCOUNT:
-        from scalelab.classroom import role_of
+        from scalelab.grader.classroom.accounts import role_of
 
         if role_of(name) is None:
             raise web.HTTPError(403, f"{name} has no account in this class on the server: ask an instructor to "

@@ -38,7 +38,7 @@ c.Authenticator.admin_users = HUB_ADMINS
 
 def class_member(authenticator, handler, authentication):
     """Only a class account (`scalelab class add-*`) can start a server; its Unix group makes an instructor."""
-    from scalelab.classroom import HUB_INSTRUCTORS_GROUP, ROLE_GROUPS, in_group, role_of
+    from scalelab.grader.classroom.accounts import HUB_INSTRUCTORS_GROUP, ROLE_GROUPS, in_group, role_of
 
     name = authentication["name"]
     if role_of(name) is None:

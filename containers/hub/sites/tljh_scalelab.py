@@ -63,7 +63,7 @@ c.Spawner.environment.update(registered["spawner_environment"])
 # Students' servers: VENV's JupyterLab, with the course copied into ~/scalelab first, as the student (files they
 # already have are left alone, files released since arrive), as make hub's pre-spawn hook does.
 c.Spawner.cmd = ["/bin/sh", "-c",
-                 f'{VENV}/bin/python -I -m scalelab.classroom {COURSE} "$HOME/scalelab" && '
+                 f'{VENV}/bin/python -I -m scalelab.grader.classroom.course {COURSE} "$HOME/scalelab" && '
                  f'exec {VENV}/bin/jupyterhub-singleuser "$@"',
                  "scalelab-server"]
 c.Spawner.default_url = "/lab/tree/scalelab"
@@ -80,7 +80,7 @@ c.Spawner.environment.update({
 c.Spawner.start_timeout = 180
 c.Spawner.http_timeout = 180
 
-# The class page admits the Hub group `instructors` (scalelab.classroom.HUB_INSTRUCTORS_GROUP). load_groups only
+# The class page admits the Hub group `instructors` (scalelab.grader.classroom.accounts.HUB_INSTRUCTORS_GROUP). load_groups only
 # adds: someone removed from INSTRUCTORS leaves the group through the admin page.
 if INSTRUCTORS:
     c.JupyterHub.load_groups = {"instructors": {"users": sorted(INSTRUCTORS)}}

@@ -1,4 +1,4 @@
-"""``scalelab class``: the accounts of a class on one server (``make hub``).
+"""The accounts of a class on one server (``make hub``): who is in it, with which role; added and removed.
 
 The class is kept where the system keeps accounts: two Unix groups. JupyterHub admits their members and nobody else
 (``PAMAuthenticator.allowed_groups``) and puts the members of ``scalelab-instructors`` in its group ``instructors``
@@ -11,16 +11,13 @@ server and forgets them with every token they had, and whatever still runs as th
 
 from __future__ import annotations
 
-import argparse
 import grp
 import json
 import os
 import pwd
 import re
 import secrets
-import shutil
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -171,38 +168,6 @@ def add_member(name: str, role: str, password: str | None) -> str:
     return done
 
 
-def copy_course(course: str | os.PathLike, destination: str | os.PathLike) -> list[str]:
-    """Copy every file of ``course`` that ``destination`` does not have yet; never touches an existing file, so a
-    student's work stays and labs released later still arrive. Run as the student (the Hub's pre-spawn hook):
-    their home is theirs, links in it included. Returns the files copied, relative to ``destination``."""
-    course, destination = Path(course), Path(destination)
-    copied = []
-    for source in sorted(course.rglob("*")):
-        relative = source.relative_to(course)
-        target = destination / relative
-        if source.is_dir():
-            target.mkdir(parents=True, exist_ok=True)
-        elif not target.exists() and not target.is_symlink():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target)
-            copied.append(str(relative))
-    return copied
-
-
-def add_command(role: str):
-    def command(args: argparse.Namespace) -> int:
-        password = None
-        if args.password_stdin:
-            password = sys.stdin.readline().rstrip("\n")
-        try:
-            print(add_member(args.name, role, password))
-        except ClassError as error:
-            print(f"scalelab class: {error}", file=sys.stderr)
-            return error.exit_code
-        return EXIT_OK
-    return command
-
-
 def remove_member(name: str, hub_state: Path) -> str:
     """Take ``name`` out of the class at once (see the module docstring); returns what was done, in a sentence."""
     check_name(name)
@@ -250,57 +215,3 @@ def forget_at_the_hub(name: str, hub_state: Path) -> str:
             problem = f"the Hub at {api_url} did not answer ({error})"
         raise ClassError(f"{problem}; the account is out of the class, but the Hub may still have its server and "
                          f"tokens: run this again once the Hub runs.", EXIT_FAILED)
-
-
-def remove_command(args: argparse.Namespace) -> int:
-    hub_state = Path(args.hub_state or os.environ.get(HUB_STATE_VARIABLE) or DEFAULT_HUB_STATE)
-    try:
-        print(remove_member(args.name, hub_state))
-    except ClassError as error:
-        print(f"scalelab class: {error}", file=sys.stderr)
-        return error.exit_code
-    return EXIT_OK
-
-
-def list_command(args: argparse.Namespace) -> int:
-    rows = members()
-    if not rows:
-        print("nobody is in the class yet: sudo scalelab class add-student NAME")
-        return EXIT_OK
-    print(f"{'name':<33} {'role':<11} account")
-    for name, role, exists in rows:
-        print(f"{name:<33} {role:<11} {'exists' if exists else 'missing'}")
-    return EXIT_OK
-
-
-def register(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "class", help="the accounts of a class on one server (make hub), and its assessment scores in nbgrader",
-        description="Students and instructors of a class served by `make hub`, and the assessment's scores in "
-                    "nbgrader's gradebook. Exit codes: 0 done (or nothing to do); 1 a system tool failed; 2 a bad "
-                    "name or password; 3 the name is another account's or has the other role; 4 not root "
-                    "(gradebook: see its --help).")
-    actions = parser.add_subparsers(dest="action", metavar="ACTION")
-    actions.required = True
-    for role in ROLE_GROUPS:
-        article = "an" if role == "instructor" else "a"
-        add = actions.add_parser(f"add-{role}", help=f"create the system account of {article} {role} (as root)")
-        add.add_argument("name", metavar="NAME")
-        add.add_argument("--password-stdin", action="store_true",
-                         help="read the password from the first line of standard input (default: print a generated "
-                              "one, once)")
-        add.set_defaults(func=add_command(role))
-    remove = actions.add_parser("remove", help="take a student or instructor out of the class at once (as root): "
-                                               "no login, server stopped, tokens revoked; the home is kept")
-    remove.add_argument("name", metavar="NAME")
-    remove.add_argument("--hub-state", default=None, metavar="DIR",
-                        help=f"the Hub's state folder (default: ${HUB_STATE_VARIABLE}, else {DEFAULT_HUB_STATE})")
-    remove.set_defaults(func=remove_command)
-    show = actions.add_parser("list", help="name, role and whether the account exists, for everyone in the class")
-    show.set_defaults(func=list_command)
-    from . import class_gradebook
-    class_gradebook.register(actions)
-
-
-if __name__ == "__main__":  # the Hub's pre-spawn hook: python -m scalelab.classroom COURSE DESTINATION
-    copy_course(sys.argv[1], sys.argv[2])

@@ -28,7 +28,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .classroom import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, ClassError
+from .accounts import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, ClassError
 
 ASSIGNMENT = NOTEBOOK = "assessment"
 GRADE_CELL = "verdict"
