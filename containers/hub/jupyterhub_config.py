@@ -114,7 +114,8 @@ async def copy_course(spawner):
     user = pwd.getpwnam(spawner.user.name)
     # -I: the student's home, the working directory, must not shadow the course's package.
     copying = await asyncio.create_subprocess_exec(
-        str(venv / "bin" / "python"), "-I", "-m", "scalelab.grader.classroom.course", str(course), f"{user.pw_dir}/scalelab",
+        str(venv / "bin" / "python"), "-I", "-m", "scalelab.grader.classroom.course", str(course),
+        f"{user.pw_dir}/scalelab",
         user=user.pw_uid, group=user.pw_gid, extra_groups=[], umask=0o077, cwd=user.pw_dir,
         env={"HOME": user.pw_dir, "PATH": "/usr/bin:/bin"},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)

@@ -1,5 +1,5 @@
-"""The ``scalelab`` command: ``doctor`` and ``lab-setup`` here, ``class`` from grader/classroom/commands.py; ``assess``, ``grade``
-and ``calibrate`` come from the grader."""
+"""The ``scalelab`` command: ``doctor`` and ``lab-setup`` here; ``class`` (grader/classroom/commands.py), ``assess``,
+``grade`` and ``calibrate`` come from the grader."""
 
 from __future__ import annotations
 

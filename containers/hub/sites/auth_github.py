@@ -26,7 +26,8 @@ REQUIRE_CLASS_ACCOUNT = True
 # not in the group scalelab-students, no password) instead of `scalelab class add-student` beforehand.
 CREATE_SYSTEM_USERS = False
 
-INSTRUCTORS_GROUP = "instructors"  # the Hub group the class page admits (scalelab.grader.classroom.accounts.HUB_INSTRUCTORS_GROUP)
+# The Hub group the class page admits (scalelab.grader.classroom.accounts.HUB_INSTRUCTORS_GROUP).
+INSTRUCTORS_GROUP = "instructors"
 
 # `c`: the config being loaded. Every loader of such files defines it: JupyterHub's, make hub's HUB_CONFIG_D,
 # TLJH's load_subconfig, and the Helm chart's exec of hub.extraConfig (z2jh, where get_config is a function of

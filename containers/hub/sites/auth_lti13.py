@@ -22,7 +22,8 @@ LMS_JWKS_URL = "https://lms.example.edu/mod/lti/certs.php"
 # without one is refused here with a sentence rather than failing at spawn. False under TLJH or Kubernetes.
 REQUIRE_CLASS_ACCOUNT = True
 
-INSTRUCTORS_GROUP = "instructors"  # the Hub group the class page admits (scalelab.grader.classroom.accounts.HUB_INSTRUCTORS_GROUP)
+# The Hub group the class page admits (scalelab.grader.classroom.accounts.HUB_INSTRUCTORS_GROUP).
+INSTRUCTORS_GROUP = "instructors"
 ROLES_CLAIM = "https://purl.imsglobal.org/spec/lti/claim/roles"
 # Add "http://purl.imsglobal.org/vocab/lis/v2/membership/Instructor#TeachingAssistant" to let TAs in.
 INSTRUCTOR_ROLES = {"http://purl.imsglobal.org/vocab/lis/v2/membership#Instructor"}

@@ -80,7 +80,7 @@ c.Spawner.environment.update({
 c.Spawner.start_timeout = 180
 c.Spawner.http_timeout = 180
 
-# The class page admits the Hub group `instructors` (scalelab.grader.classroom.accounts.HUB_INSTRUCTORS_GROUP). load_groups only
-# adds: someone removed from INSTRUCTORS leaves the group through the admin page.
+# The class page admits the Hub group `instructors` (scalelab.grader.classroom.accounts.HUB_INSTRUCTORS_GROUP).
+# load_groups only adds: someone removed from INSTRUCTORS leaves the group through the admin page.
 if INSTRUCTORS:
     c.JupyterHub.load_groups = {"instructors": {"users": sorted(INSTRUCTORS)}}
