@@ -28,12 +28,14 @@ import requests
 
 from conftest import PROJECT_ROOT
 
+from scalelab.grader.classroom import server_limits
+
 HUB_VENV = Path("/opt/scalelab/venv")  # the Makefile's default
 SCALELAB = str(HUB_VENV / "bin" / "scalelab")
 SUBMISSIONS = PROJECT_ROOT / "tests" / "submissions"
 TEST_TRACKS = SUBMISSIONS / "tracks.toml"
 TEST_TRACK = "fashion-mnist-test"
-# A syntax error fails in seconds without a launch; the other keeps a job running for 10 minutes.
+# A syntax error fails in seconds without a launch; the other keeps a job running for a minute, then fails.
 FAST_SUBMISSION = SUBMISSIONS / "service" / "syntax_error_fast.py"
 SLEEPING_SUBMISSION = SUBMISSIONS / "service" / "sleeps_a_minute.py"
 SERVICE_URL_PATH = "/services/scalelab/"
@@ -87,6 +89,7 @@ def remove_account(name: str) -> None:
             except psutil.Error:
                 pass
         psutil.wait_procs(left, timeout=3)
+    server_limits.release(name)  # a Hub stopped by the test leaves its students' cgroups behind
     subprocess.run(["userdel", "--remove", name], capture_output=True)
     assert name not in {entry.pw_name for entry in pwd.getpwall()}, f"the test account {name} could not be removed"
 

@@ -8,6 +8,7 @@ import json
 import os
 import pwd
 import secrets
+import signal
 import socket
 import subprocess
 import time
@@ -20,6 +21,8 @@ import requests
 from conftest import PROJECT_ROOT
 from hubtools import (HUB_VENV, accounts, hub, processes_of, random_name, remove_account,  # noqa: F401
                       scalelab_class, spawn)
+
+from scalelab.grader.classroom import server_limits
 
 # The first `make hub` on a machine installs the shared venv (Horovod is compiled unless .venv's wheel is kept).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -60,6 +63,55 @@ def test_the_right_password_redirects_to_spawn_and_the_server_runs_as_the_studen
         assert {process.gids().real, process.gids().effective} == {account.pw_gid}
         assert process.environ()["PATH"].startswith(f"{HUB_VENV}/bin:"), "kernels must find the venv's horovodrun"
         assert process.cwd() == account.pw_dir
+
+
+FORK_UNTIL_REFUSED = """
+import os, sys, time
+started = 0
+while True:
+    try:
+        if os.fork() == 0:
+            os.close(1)  # the test reads the count until every writer is gone
+            os.close(2)
+            time.sleep(600)
+            os._exit(0)
+        started += 1
+    except OSError:
+        print(started, flush=True)
+        break
+"""
+
+
+def test_a_students_server_runs_in_cgroups_of_its_own_that_stop_a_fork_bomb(hub, accounts, student_a_server):
+    """Before, every server shared the Hub's cgroup with 96,365 processes allowed: one student could stop them all."""
+    name = accounts["student_a"]
+    servers = [process.pid for process in processes_of(pwd.getpwnam(name).pw_uid)
+               if "jupyterhub-singleuser" in " ".join(process.cmdline())]
+    assert servers and set(servers) <= server_limits.members(name), "the server is in its own cgroups"
+    limits = server_limits.ServerLimits.from_environment({})
+    if server_limits.uses_v1():
+        memory, cpu, pids = server_limits.server_cgroups(name)
+        assert int((memory / "memory.limit_in_bytes").read_text()) == limits.memory_bytes
+        assert (cpu / "cpu.shares").read_text().strip() == "1024"
+    else:
+        [pids] = server_limits.server_cgroups(name)
+    assert (pids / "pids.max").read_text().strip() == str(limits.tasks)
+    # As the student, in the server's cgroups (as a kernel of theirs would be): forks until the limit refuses one.
+    tasks_before = int((pids / "pids.current").read_text())  # the server's threads, its kernels'
+    procs = " ".join(str(group / "cgroup.procs") for group in server_limits.server_cgroups(name))
+    bomb = subprocess.run(["sh", "-c", f'for group in {procs}; do echo $$ > "$group"; done; exec runuser -u {name} '
+                                       f'-- {HUB_VENV}/bin/python -c "$0"', FORK_UNTIL_REFUSED],
+                          capture_output=True, text=True, timeout=300)
+    try:
+        started = int(bomb.stdout.strip())
+        assert limits.tasks - tasks_before - 8 <= started < limits.tasks - tasks_before, bomb.stdout + bomb.stderr
+        assert requests.get(f"{hub.url}/hub/api/", timeout=30).status_code == 200, "the Hub still answers"
+    finally:
+        for pid in server_limits.members(name) - set(servers):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_the_server_opens_on_the_students_own_copy_of_the_course(accounts, student_a_server):
@@ -227,6 +279,7 @@ def test_removing_a_student_ends_their_server_tokens_and_logins_at_once(hub):
         assert requests.get(f"{hub.url}/hub/api/user", headers={"Authorization": f"token {token}"},
                             timeout=30).status_code == 403, "their token ended"
         assert not processes_of(uid), "their server and kernels ended"
+        assert not any(group.exists() for group in server_limits.server_cgroups(name)), "their cgroups are gone"
         _, answer = hub.login(name, password)
         assert answer.status_code == 403, "they cannot log in again"
         groups = subprocess.run(["id", "-nG", name], capture_output=True, text=True).stdout

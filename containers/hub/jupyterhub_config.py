@@ -1,7 +1,8 @@
 """JupyterHub for a class on one server, as `make hub` serves it (containers/hub/hub.sh sets the variables below).
 
 Stock PAMAuthenticator and LocalProcessSpawner: students log in with their system account (`scalelab class
-add-student`) and each gets JupyterLab as their own uid, from the shared venv, on their own copy of the course.
+add-student`) and each gets JupyterLab as their own uid, from the shared venv, on their own copy of the course, in
+cgroups of its own.
 
   HUB_IP, HUB_PORT            where the Hub answers (127.0.0.1:8000)
   HUB_PROXY_API_PORT          the proxy's REST API on 127.0.0.1 (HUB_PORT + 1)
@@ -20,6 +21,9 @@ import pwd
 import secrets
 from pathlib import Path
 
+from jupyterhub.spawner import LocalProcessSpawner
+
+from scalelab.grader.classroom import server_limits
 from scalelab.grader.classroom.accounts import HUB_INSTRUCTORS_GROUP, ROLE_GROUPS, in_group
 from scalelab.grader.service.site_fragments import UntrustedFragment, trusted_fragments
 
@@ -87,8 +91,29 @@ def instructors_group(authenticator, handler, authentication):
 c.Authenticator.manage_groups = True
 c.Authenticator.post_auth_hook = instructors_group
 
-# Each student's JupyterLab: their own uid, the shared venv, their home.
-c.JupyterHub.spawner_class = "localprocess"
+# Each student's JupyterLab: their own uid, the shared venv, their home, and cgroups of its own (memory, CPU weight,
+# processes: SCALELAB_STUDENT_MEMORY_MB, SCALELAB_STUDENT_CPU_WEIGHT, SCALELAB_STUDENT_TASKS), so that one student's
+# kernel cannot starve the others or the grader's runs (scalelab.grader.classroom.server_limits).
+student_server_limits = server_limits.ServerLimits.from_environment()
+
+
+class LimitedLocalProcessSpawner(LocalProcessSpawner):
+    async def start(self):
+        address = await super().start()
+        try:
+            server_limits.confine(self.user.name, self.pid, student_server_limits)
+        except OSError as error:
+            self.log.error("scalelab: %s's server runs without its limits (%s): one busy kernel can slow the class",
+                           self.user.name, error)
+        return address
+
+    async def stop(self, now=False):
+        await super().stop(now=now)
+        # What the server left (kernels in sessions of their own, background processes) ends with its cgroups.
+        await asyncio.get_running_loop().run_in_executor(None, server_limits.release, self.user.name)
+
+
+c.JupyterHub.spawner_class = LimitedLocalProcessSpawner
 c.Spawner.cmd = [str(venv / "bin" / "jupyterhub-singleuser")]
 c.Spawner.default_url = "/lab/tree/scalelab"
 c.Spawner.notebook_dir = "~"
