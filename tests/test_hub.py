@@ -83,7 +83,7 @@ while True:
 
 
 def test_a_students_server_runs_in_cgroups_of_its_own_that_stop_a_fork_bomb(hub, accounts, student_a_server):
-    """Before, every server shared the Hub's cgroup with 96,365 processes allowed: one student could stop them all."""
+    """One student's processes stay within their server's limits: the class and the Hub go on."""
     name = accounts["student_a"]
     servers = [process.pid for process in processes_of(pwd.getpwnam(name).pw_uid)
                if "jupyterhub-singleuser" in " ".join(process.cmdline())]
@@ -254,7 +254,7 @@ def test_failed_logins_lock_the_account_out_of_the_hub_for_a_while(hub, accounts
 
 
 def test_removing_a_student_ends_their_server_tokens_and_logins_at_once(hub):
-    """Before, nothing took a student out: a token kept working, a running server kept running."""
+    """A removed student has no token, no process and no login left, at once."""
     name, password = random_name("slr"), secrets.token_urlsafe(12)
     try:
         assert scalelab_class("add-student", name, "--password-stdin", password=password).returncode == 0

@@ -214,6 +214,17 @@ def test_recovery_leaves_the_jobs_of_a_live_server_alone(queue, tmp_path):
         other_server.wait()
 
 
+def grade_until_done(workers: GradingWorkers, queue: AssessQueue, job_id: int, timeout_s: float = 60) -> None:
+    """Run the workers until the job is done (or the timeout), then stop them (joined: their tidying is done too)."""
+    workers.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while queue.get(job_id)["state"] != DONE and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        workers.stop()
+
+
 def test_workers_grade_with_the_real_grader_and_store_its_verdict(queue, tmp_path, monkeypatch):
     monkeypatch.setenv("SCALELAB_HOME", str(tmp_path / "home"))
     (tmp_path / "job").mkdir()
@@ -221,13 +232,7 @@ def test_workers_grade_with_the_real_grader_and_store_its_verdict(queue, tmp_pat
     job, _ = submit(queue, "ana", tmp_path / "job")
     workers = workers_for(queue)
     assert workers.grader_argv(job)[1:4] == ["assess", str(tmp_path / "job" / "assessment.py"), "--track"]
-    workers.start()
-    try:
-        deadline = time.monotonic() + 60
-        while queue.get(job["id"])["state"] != DONE and time.monotonic() < deadline:
-            time.sleep(0.2)
-    finally:
-        workers.stop()
+    grade_until_done(workers, queue, job["id"])
     stored = queue.get(job["id"])
     assert stored["state"] == DONE, stored
     assert stored["verdict"]["verdict"] == "fail" and stored["verdict"]["student"] == "ana"
@@ -321,13 +326,7 @@ def test_a_requeued_job_is_graded_from_scratch_and_its_verdict_says_why(queue, t
     workers = GradingWorkers(queue, GraderSettings(track="fashion-mnist-test", poll_interval_s=0.1,
                                                    command=[sys.executable, str(fake_grader)]), slots=1)
     workers.recover()
-    workers.start()
-    try:
-        deadline = time.monotonic() + 60
-        while queue.get(job["id"])["state"] != DONE and time.monotonic() < deadline:
-            time.sleep(0.1)
-    finally:
-        workers.stop()
+    grade_until_done(workers, queue, job["id"])
     stored = queue.get(job["id"])
     assert stored["state"] == DONE and stored["verdict"]["verdict"] == "pass", stored
     assert any(note.startswith("Re-run on ") and "graded again from scratch" in note
