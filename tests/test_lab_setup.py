@@ -140,7 +140,7 @@ def test_student_view_has_what_the_labs_and_the_assessment_read_from_source_code
     for name in named - held_back:
         assert (view / "source_code" / name).exists(), f"the labs read source_code/{name}"
     assert (view / "source_code" / "scalelab" / "__init__.py").is_file(), "the course library, to read"
-    assert (view / "source_code" / "scalelab" / "horovod_checks.py").is_file(), "lab 3's checks, to read"
+    assert (view / "source_code" / "scalelab" / "runtime.py").is_file(), "the helpers lab 3's FIXMEs name, to read"
 
 
 def test_every_entry_of_source_code_is_course_material_a_worked_solution_or_course_tooling():

@@ -8,7 +8,8 @@ and run the script on two processes with
     horovodrun -np 2 --gloo python fashion_mnist_student.py --epochs 1 --train-images 2000
 
 Keep the command-line options as they are: the grader runs your script with them, for one short epoch on two
-ranks, and compares the weights the two ranks end with (--weights-digest-dir).
+ranks, and watches what each rank does (the weights it starts and ends with, the images it trains on, what it
+prints and writes).
 """
 
 import argparse
