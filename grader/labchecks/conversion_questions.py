@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .conversion_run import ConversionRun, run_conversion, script_digest
+from .conversion_run import STALL_S, ConversionRun, run_conversion, script_digest
 
 STEPS = ("init", "pin_device", "rank0_output", "scaled_lr", "distributed_optimizer", "broadcast",
          "steps_per_epoch", "metric_average", "rank0_checkpoint", "two_ranks")
@@ -341,11 +341,11 @@ def problems(run: ConversionRun, step: str) -> list[str]:
     return QUESTIONS[step](run)
 
 
-def graded_run(script: Path | str, controller: str = "--gloo") -> ConversionRun:
+def graded_run(script: Path | str, controller: str = "--gloo", stall_s: float = STALL_S) -> ConversionRun:
     """The probed run of ``script`` as it is now; run once per content of the file."""
     key = (script_digest(script), controller)
     if key not in _runs:
-        _runs[key] = run_conversion(script, controller=controller)
+        _runs[key] = run_conversion(script, controller=controller, stall_s=stall_s)
     return _runs[key]
 
 
