@@ -32,6 +32,7 @@ SHARD = "    train_images, train_labels = shard_arrays(train_images, train_label
 BATCH = ".shuffle(len(train_images)).repeat().batch(args.batch_size)"
 EPOCH_PRINTER = "EpochPrinter(args.epochs, is_chief=is_chief)"
 CHECKPOINT_GUARD = "if is_chief:\n    # Horovod: only rank 0 writes checkpoints"
+TRAINING_PRINT = "if is_chief:\n    print(f\"training on"
 FINAL_PRINT = "if is_chief:\n    print(f\"final val_accuracy"
 FIT = "history = model.fit(train_data, steps_per_epoch=steps_per_epoch, epochs=args.epochs, validation_data=val_data,"
 CALLBACKS_START = "callbacks = [\n"
@@ -76,11 +77,22 @@ WRONG = {
                          + METRIC_AVERAGE),
     ), {"scaled_lr": "multiplied by hvd.size() twice", "pin_device": "rank 1 pinned GPU 1",
         "metric_average": "EarlyStopping comes before MetricAverageCallback"}),
-    "batches of batch // size with steps from the global batch, no metric averaging": Conversion((
+    "batches of batch // size with steps from the global batch, no metric averaging, no broadcast": Conversion((
         (BATCH, ".shuffle(len(train_images)).repeat().batch(args.batch_size // hvd.size())"),
         (STEPS, "steps_per_epoch = len(train_images) // args.batch_size\n"),
         (METRIC_AVERAGE, ""),
-    ), {"steps_per_epoch": "batches hold 16 images", "metric_average": "does not average the metrics"}),
+        (BROADCAST, ""),
+    ), {"steps_per_epoch": "batches hold 16 images", "metric_average": "does not average the metrics",
+        "broadcast": "after the first step the ranks hold different weights", "two_ranks": "different weights"}),
+    "the rate not scaled, a broadcast from rank 1, checkpoints on every rank, metrics averaged last": Conversion((
+        (SCALE_LR, "peak_lr = args.base_lr\n"),
+        (BROADCAST, BROADCAST.replace("(0)", "(1)")),
+        (CHECKPOINT_GUARD, "if True:\n    # Horovod: only rank 0 writes checkpoints"),
+        (METRIC_AVERAGE, ""),
+        (TRAINING_PRINT, "callbacks.append(hvd.callbacks.MetricAverageCallback())\n" + TRAINING_PRINT),
+    ), {"scaled_lr": "the same as --base-lr on one rank", "broadcast": "broadcast from rank 1",
+        "rank0_checkpoint": "rank 1 writes checkpoints too",
+        "metric_average": "StopAtAccuracy comes before MetricAverageCallback"}),
     # TensorFlow refuses configure_threads once it has started, so the run ends there.
     "the model built before hvd.init()": Conversion(((BUILD_MODEL, ""), (INIT, BUILD_MODEL + INIT)), {
         step: "stopped before" for step in STEPS_NEEDING_FIT} | {
