@@ -2,7 +2,9 @@
 
 Exit codes (all three commands): 0 pass; 1 fail, timeout or a submission that errors; 2 bad input to the
 command, with a one-line message on stderr; 3 an internal error of the grader (an ``error`` verdict, still
-written when --out is given). ``assess`` stopped by SIGTERM stops its run and removes its job directory
+written when --out is given). ``assess`` exits 4 when the run ran out of time while other work on the machine
+used too much of its CPU: the submission was not graded (an ``error`` verdict with ``contended``: true); assess it
+again once the machine is quieter. ``assess`` stopped by SIGTERM stops its run and removes its job directory
 first, then exits 143.
 """
 
@@ -31,7 +33,7 @@ from scalelab.runtime import usable_cores
 from . import grading, pipeline, report, spec, store
 from .submission import NotASubmission, check_submission_file
 
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INTERNAL, EXIT_CONTENDED = 0, 1, 2, 3, 4
 EXIT_STOPPED = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
 VERDICT_EXIT = {"pass": EXIT_PASS, "fail": EXIT_FAIL, "timeout": EXIT_FAIL, "error": EXIT_INTERNAL}
 
@@ -90,14 +92,21 @@ def summary(verdict: dict) -> str:
     def number(value, form):
         return "—" if value is None else format(value, form)
 
+    headline = verdict["verdict"].upper()
+    if verdict.get("contended"):
+        headline += " (not graded: other work on the machine used too much of its CPU; assess it again)"
     lines = [
-        f"verdict      {verdict['verdict'].upper()}",
+        f"verdict      {headline}",
         f"track        {verdict.get('track')}  ({verdict.get('np')} ranks)",
         f"accuracy     {number(verdict.get('heldout_accuracy'), '.4f')} held-out "
         f"(target {number(verdict.get('target_accuracy'), '.4f')})",
         f"time         {number(verdict.get('wall_time_s'), '.1f')} s (budget {number(verdict.get('time_budget_s'), '.0f')} s)",
         f"ranks seen   {verdict.get('ranks_seen')}, {verdict.get('allreduce_count')} allreduces",
     ]
+    busy = verdict.get("cpu_contention")
+    if busy:
+        lines.append(f"machine      other work used {busy['share'] * 100:.0f} % of the CPU during the run "
+                     f"({busy['others_cpu_s']:.0f} of {busy['capacity_cpu_s']:.0f} CPU-seconds)")
     for reason in verdict.get("reasons") or []:
         lines.append("reason       " + reason.replace("\n", "\n             "))
     for note in verdict.get("notes") or []:
@@ -139,7 +148,7 @@ def assess_command(args: argparse.Namespace) -> int:
     else:
         print(file=sys.stderr)
         print(summary(verdict))
-    return VERDICT_EXIT[verdict["verdict"]]
+    return EXIT_CONTENDED if verdict.get("contended") else VERDICT_EXIT[verdict["verdict"]]
 
 
 def grade_command(args: argparse.Namespace) -> int:

@@ -6,7 +6,8 @@ directory, the argv to run inside the sandbox, its environment, the budget); a b
 allocation (``slurm_runner``) and gets the same ``RunResult`` back.
 
 While the run goes, ``run_local`` also collects the evidence of distributed training (``witness``): Horovod's
-timeline read as it is written, stamped with the grader's clock, and the traffic on the sandbox's loopback.
+timeline read as it is written, stamped with the grader's clock, and the traffic on the sandbox's loopback; and
+how much CPU other work on the machine used meanwhile (``contention``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import psutil
 from scalelab import data as course_data
 from scalelab.environment import openmpi_settings
 
+from . import contention
 from . import sandbox as sandbox_module
 from . import witness
 from .ranklogs import LOG_CAP_BYTES, RankLogDemux
@@ -89,7 +91,8 @@ class RunResult:
     still alive after horovodrun ended, ``strays_killed`` those that kept horovodrun waiting after every rank had
     exited (both killed by the grader). ``timeline`` is the streamed timeline's evidence
     (:class:`witness.TimelineEvidence` as a dict) and ``loopback_bytes`` the sandbox's loopback traffic (None:
-    not measured, e.g. without a sandbox).
+    not measured, e.g. without a sandbox). ``cpu_contention`` is how much CPU other work on the machine used
+    meanwhile (:class:`contention.CpuContention` as a dict; None: not measured).
     """
 
     exit_code: int | None
@@ -106,6 +109,7 @@ class RunResult:
     strays_killed: int = 0
     timeline: dict = dataclasses.field(default_factory=dict)
     loopback_bytes: int | None = None
+    cpu_contention: dict | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -373,6 +377,8 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path) -> RunResult:
     demux = RankLogDemux(job.logs_dir, job.log_cap_bytes)
     started_at = utc_now()
     timeline.start()
+    meter = contention.ContentionMeter()
+    meter.start()
     started = time.monotonic()
     try:
         leader = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -394,6 +400,7 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path) -> RunResult:
         while leader.poll() is None:
             elapsed = time.monotonic() - started
             watch.sample_traffic()
+            meter.sample()
             if on_progress is not None and elapsed >= next_progress:
                 next_progress = elapsed + PROGRESS_INTERVAL_S
                 on_progress({"state": "running", "elapsed_s": round(elapsed, 1),
@@ -426,6 +433,7 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path) -> RunResult:
     # horovodrun is gone; its pipe closes once every process holding it is gone too.
     reader.join(timeout=10)
     leader.stdout.close()
+    cpu_contention = meter.finish()  # once nothing of the run is left
     evidence = timeline.stop()
     rank_logs, launcher_log, truncated = demux.close()
     return RunResult(exit_code=None if killed else leader.returncode, wall_time_s=round(wall_time_s, 2),
@@ -433,4 +441,4 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path) -> RunResult:
                      rank_logs=rank_logs, launcher_log=launcher_log, rank_tracebacks=demux.tracebacks(),
                      truncated_logs=truncated, epochs_seen=demux.epochs_seen, survivors_killed=survivors,
                      strays_killed=strays_killed, timeline=dataclasses.asdict(evidence),
-                     loopback_bytes=watch.loopback_bytes)
+                     loopback_bytes=watch.loopback_bytes, cpu_contention=cpu_contention.as_dict())

@@ -189,6 +189,9 @@ class AssessClient:
 # --- rendering (pure functions of the job, so they are easy to test) --------------------------------------------
 
 VERDICT_COLOURS = {"pass": "#1a7f37", "fail": "#cf222e", "timeout": "#bc4c00", "error": "#8250df"}
+# A rerun's cause (the queue's RERUN_SERVER_STOPPED, RERUN_MACHINE_BUSY) in the student's terms.
+RERUN_WHY = {"server stopped": "the grader stopped while it ran",
+             "machine busy": "other work crowded the grading machine during its run"}
 
 
 def _number(value, form: str, missing: str = "—") -> str:
@@ -202,7 +205,8 @@ def status_text(job: dict | None) -> str:
     state = job["state"]
     if state == "queued":
         position = job.get("position")
-        again = " again (the grader stopped while it ran; it is graded from scratch)" if job.get("reruns") else ""
+        why = RERUN_WHY.get((job.get("reruns") or [{}])[-1].get("cause"), RERUN_WHY["server stopped"])
+        again = f" again ({why}; it is graded from scratch)" if job.get("reruns") else ""
         return (f"Assessment {job['id']}: queued{again}, position {position} in the queue." if position
                 else f"Assessment {job['id']}: queued{again}.")
     if state == "running":

@@ -19,7 +19,7 @@ from typing import Callable
 
 from scalelab import __version__, data as course_data, environment
 
-from . import launch, spec, store, verify, witness
+from . import contention, launch, spec, store, verify, witness
 from . import sandbox as sandbox_module
 from .verdict import new_verdict
 
@@ -94,23 +94,45 @@ def _accuracy_reason(model: verify.ModelCheck, track: spec.Track) -> str:
     return reason
 
 
+def _not_graded_for_contention(verdict: dict, cpu_contention: dict, facts: list[str]) -> None:
+    """A run out of time while other work crowded the machine: the budget assumes the machine to itself, so the
+    run does not count (an ``error`` verdict, ``contended``); what was measured of it stays in the notes."""
+    verdict["verdict"], verdict["contended"] = "error", True
+    verdict["reasons"] = [f"{contention.busy_machine_sentence(cpu_contention)}, and the run ran out of time. The "
+                          f"time budget assumes the machine to itself, so this is not held against your submission: "
+                          f"it was not graded, and must be graded again."]
+    verdict["notes"] += [f"for information: {fact}" for fact in facts]
+
+
 def decide(verdict: dict, track: spec.Track, run: launch.RunResult, model: verify.ModelCheck,
            timeline: witness.TimelineEvidence, traffic: witness.TrafficEvidence, job_dir: Path) -> None:
-    """Fill ``verdict`` (verdict and reasons) from what was measured. Pass iff every condition holds."""
+    """Fill ``verdict`` (verdict and reasons) from what was measured. Pass iff every condition holds. A run out of
+    time while others used at least ``contention.CONTENDED_SHARE`` of the machine is not graded (``contended``);
+    any other verdict under such contention gets a note saying so."""
     reasons = []
     budget = track.time_budget_s
+    crowded = contention.is_contended(run.cpu_contention)
     if run.timed_out or run.wall_time_s > budget:
-        verdict["verdict"] = "timeout"
         if run.timed_out:
-            reasons.append(f"the run was still going at the {budget:.0f} s time budget (+{track.grace_s:.0f} s "
-                           f"grace) and was stopped: make training faster, or stop it once the target is reached.")
+            ran_out = (f"the run was still going at the {budget:.0f} s time budget (+{track.grace_s:.0f} s grace) "
+                       f"and was stopped")
+            advice = ": make training faster, or stop it once the target is reached."
         else:
-            reasons.append(f"the run ended after {run.wall_time_s:.0f} s, over the {budget:.0f} s time budget.")
-        if model.heldout_accuracy is not None:
-            reasons.append(f"for information: the last saved model reached held-out accuracy "
-                           f"{model.heldout_accuracy:.4f} (target {track.target_accuracy:.4f}).")
-        verdict["reasons"] = reasons
+            ran_out = f"the run ended after {run.wall_time_s:.0f} s, over the {budget:.0f} s time budget"
+            advice = "."
+        last_model = None if model.heldout_accuracy is None else (
+            f"the last saved model reached held-out accuracy {model.heldout_accuracy:.4f} "
+            f"(target {track.target_accuracy:.4f}).")
+        if crowded:
+            facts = [f"{ran_out}."] + ([last_model] if last_model else [])
+            _not_graded_for_contention(verdict, run.cpu_contention, facts)
+            return
+        verdict["verdict"] = "timeout"
+        verdict["reasons"] = [ran_out + advice] + ([f"for information: {last_model}"] if last_model else [])
         return
+    if crowded:  # the verdict stands: a run that did not run out of time was not cut short
+        verdict["notes"].append(f"{contention.busy_machine_sentence(run.cpu_contention)}: your run had less of the "
+                                f"machine than the time budget assumes.")
     if run.exit_code != 0:
         verdict["verdict"] = "fail"
         verdict["reasons"] = _rank_failure_reasons(run, job_dir)
@@ -212,6 +234,7 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
                        ranks_seen=timeline.ranks_seen, allreduce_count=timeline.allreduce_count,
                        allreduced_tensors=timeline.allreduced_tensors, active_deciles=timeline.active_deciles,
                        witnesses=witness.figures(timeline, traffic, model.trainable_parameters))
+        verdict["cpu_contention"] = run.cpu_contention
         decide(verdict, track, run, model, timeline, traffic, job.job_dir)
         if run.loopback_bytes is None and verdict["verdict"] != "timeout":
             verdict["notes"].append("the ranks' traffic was not measured (it is counted on the sandbox's own "

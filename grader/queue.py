@@ -17,12 +17,12 @@ Rules the queue keeps:
 - **FIFO across students**: a claim always takes the oldest queued job (ids are assigned in arrival order).
 - **Orphans are found and settled by the workers**: :meth:`AssessQueue.orphaned_running_jobs` lists the running
   jobs whose server (of this host) is gone. A job the server stopped under goes back to ``queued`` at the front
-  (:meth:`AssessQueue.requeue`: its run is graded again from scratch, never resumed, and its ``reruns`` say when
-  and why), a bounded number of times.
+  (:meth:`AssessQueue.requeue`: its run is graded again from scratch, never resumed, and its ``reruns`` say when,
+  why and the cause), a bounded number of times; so does a job whose run other work on the machine starved.
 - **Re-queued jobs first**: a claim takes a re-queued job before any other, then the oldest queued job.
 
 States: ``queued`` → ``running`` → ``done`` (with the verdict JSON) or ``interrupted`` (with a reason); a running
-job may go back to ``queued`` once its server stops under it.
+job may go back to ``queued`` once its server stops under it, or once its run ran out of time on a crowded machine.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 QUEUED, RUNNING, DONE, INTERRUPTED = "queued", "running", "done", "interrupted"
 ACTIVE_STATES = (QUEUED, RUNNING)
+# Why a job was graded again: its server stopped under it, or its run ran out of time on a crowded machine.
+RERUN_SERVER_STOPPED, RERUN_MACHINE_BUSY = "server stopped", "machine busy"
 # The largest id every supported database's INTEGER column holds (Postgres: 32 bits); beyond it no job exists,
 # and SQLite would raise OverflowError instead of finding nothing.
 MAX_JOB_ID = 2**31 - 1
@@ -85,7 +87,7 @@ class AssessJob(Base):
     verdict_json: Mapped[str | None] = mapped_column(Text)
     reason: Mapped[str | None] = mapped_column(Text)
     rerun_count: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
-    reruns_json: Mapped[str | None] = mapped_column(Text)  # [{"at": unix seconds, "reason": sentence}, ...]
+    reruns_json: Mapped[str | None] = mapped_column(Text)  # [{"at": unix seconds, "reason": sentence, "cause"}, ...]
 
     __table_args__ = (
         # At most one queued-or-running job per student, enforced by the database itself.
@@ -289,15 +291,16 @@ class AssessQueue:
                 .values(state=INTERRUPTED, finished_at=time.time(), reason=reason))
             return changed.rowcount == 1
 
-    def requeue(self, job_id: int, reason: str) -> bool:
+    def requeue(self, job_id: int, reason: str, cause: str = RERUN_SERVER_STOPPED) -> bool:
         """Put a running job back in the queue, at the front, to be graded again from scratch: what its run had
-        reported is cleared, and ``reason`` is added to its reruns. False if it was no longer running."""
+        reported is cleared, and ``reason`` (a sentence) and ``cause`` (RERUN_SERVER_STOPPED or
+        RERUN_MACHINE_BUSY) are added to its reruns. False if it was no longer running."""
         with self.sessions.begin() as session:
             job = session.scalar(select(AssessJob).where(AssessJob.id == job_id, AssessJob.state == RUNNING))
             if job is None:
                 return False
             reruns = json.loads(job.reruns_json) if job.reruns_json else []
-            reruns.append({"at": time.time(), "reason": reason})
+            reruns.append({"at": time.time(), "reason": reason, "cause": cause})
             job.state, job.rerun_count, job.reruns_json = QUEUED, len(reruns), json.dumps(reruns)
             job.started_at = job.worker_host = job.worker_pid = job.grader_pid = job.grader_created = None
             job.progress_json = job.progress_history_json = None

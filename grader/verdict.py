@@ -26,6 +26,8 @@ class Verdict:
     epochs_seen: int = 0
     witnesses: dict | None = None           # each witness's own figures (timeline, loopback traffic)
     exit_code: int | None = None            # horovodrun's
+    cpu_contention: dict | None = None      # CPU other work on the machine used during the run (contention.py)
+    contended: bool = False                 # ran out of time while others crowded the machine: not graded
     track: str | None = None
     dataset: str | None = None
     submission: str | None = None

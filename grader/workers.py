@@ -14,6 +14,10 @@ What the workers keep:
   re-queued at most ``max_reruns`` times: a submission that keeps bringing the server down then ends
   ``interrupted`` with a reason, and is never reported as passed. A grader that had already written its verdict
   before the server died is not re-run: that verdict is the real grader's and is kept. Queued jobs are untouched.
+- **A crowded machine**: a run that ran out of time while other work used too much of the machine's CPU (the
+  grader's verdict says ``contended``; see ``contention.py``) is not the student's fault: the job goes back to the
+  front of the queue the same way, within the same ``max_reruns``; past them it ends ``done`` with a verdict that
+  says the machine was too busy (an ``error``, never a ``timeout``).
 - **Progress** (``progress.json``, written by the grader: elapsed time vs budget, epochs seen, latest
   accuracy, checkpoint time) is copied to the job for display only; the verdict is always the grader's.
 - **Disk**: job directories and the files the service writes in them are private to the server's account
@@ -39,9 +43,11 @@ from pathlib import Path
 
 import psutil
 
-from .queue import ACTIVE_STATES, DONE, AssessQueue
+from .contention import busy_machine_sentence
+from .queue import ACTIVE_STATES, DONE, RERUN_MACHINE_BUSY, AssessQueue
 
-# How often one job may be graded again after its server stopped under it, before it ends ``interrupted``.
+# How often one job may be graded again (after its server stopped under it, or its run was starved of CPU)
+# before it ends ``interrupted`` or ``done`` with the machine too busy.
 MAX_RERUNS = 2
 
 
@@ -335,9 +341,28 @@ class GradingWorkers:
             verdict = service_error_verdict(job, f"the grader refused the submission: {message}",
                                             verdict="fail" if popen.returncode == 2 else "error")
         verdict["student"] = verdict.get("student") or job["student"]  # the grader CLI does not know who it was
+        if verdict.get("contended") and self._requeued_as_contended(job, verdict):
+            return
         for rerun in job.get("reruns") or []:
             verdict.setdefault("notes", []).append(f"Re-run on {utc_iso(rerun['at'])}: {rerun['reason']}")
         self.queue.finish(job["id"], verdict)
+
+    def _requeued_as_contended(self, job: dict, verdict: dict) -> bool:
+        """A run out of time on a crowded machine: graded again from scratch (True), or, past ``max_reruns``,
+        ``verdict`` is rewritten to say the machine was too busy, for the caller to store (False)."""
+        busy = busy_machine_sentence(verdict["cpu_contention"])
+        if job.get("rerun_count", 0) < self.max_reruns:
+            if self.queue.requeue(job["id"], f"{busy}, and it ran out of time; it was graded again from scratch.",
+                                  cause=RERUN_MACHINE_BUSY):
+                self.wake()
+            return True
+        earlier = (f" It had already been graded again {job['rerun_count']} time(s); it is not re-run once more."
+                   if job.get("rerun_count") else "")
+        verdict["reasons"] = [
+            f"Not graded: the grading machine was too busy. {busy[0].upper()}{busy[1:]}, and it ran out of time; "
+            f"the time budget assumes the machine to itself.{earlier} Nothing was recorded against you; click Assess "
+            f"to submit it again later."]
+        return False
 
     def _follow_progress(self, job: dict, popen: subprocess.Popen) -> None:
         progress_file = grader_out_dir(job["job_dir"]) / "progress.json"

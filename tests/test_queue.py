@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -19,8 +20,9 @@ import pytest
 from sqlalchemy import update
 
 from scalelab.grader import panel
-from scalelab.grader.queue import (DONE, INTERRUPTED, QUEUED, RUNNING, AssessJob, AssessQueue, QueueFull, TooSoon,
-                                   sqlite_url)
+from scalelab.grader.contention import CONTENDED_SHARE
+from scalelab.grader.queue import (DONE, INTERRUPTED, QUEUED, RERUN_MACHINE_BUSY, RUNNING, AssessJob, AssessQueue,
+                                   QueueFull, TooSoon, sqlite_url)
 from scalelab.grader.workers import GraderSettings, GradingWorkers, JobRetention
 
 FAST_SUBMISSION = Path(__file__).parent / "submissions" / "service" / "syntax_error_fast.py"
@@ -39,9 +41,9 @@ def queue(database):
     opened.close()
 
 
-def submit(queue: AssessQueue, student: str, job_dir: Path, max_queued: int = 100):
+def submit(queue: AssessQueue, student: str, job_dir: Path, max_queued: int = 100, track: str = "fashion-mnist-test"):
     job_dir.mkdir(parents=True, exist_ok=True)
-    return queue.submit(student=student, track="fashion-mnist-test", backend="local", job_dir=job_dir,
+    return queue.submit(student=student, track=track, backend="local", job_dir=job_dir,
                         submission_path=f"/course/{student}/assessment.py", submission_sha256="0" * 64,
                         max_queued=max_queued)
 
@@ -352,6 +354,98 @@ def test_a_clean_stop_requeues_its_running_job(queue, tmp_path):
     assert stored["reruns"][0]["reason"].startswith("the server was stopped while this assessment was running")
     gone, _alive = psutil.wait_procs([grader], timeout=15)
     assert gone, "the stopped grader still runs"
+
+
+CPU_SPENDING_SUBMISSION = Path(__file__).parent / "submissions" / "service" / "spends_cpu_seconds.py"
+SHORT_TRACK = "fashion-mnist-short"  # the submission's CPU-seconds fit in its budget only on a quiet machine
+SPINNERS_PER_CORE = 4
+BUSY_SENTENCE = re.compile(r"other work on the grading machine used (\d+) % of its CPU during your run")
+
+
+def keep_every_core_busy() -> list[subprocess.Popen]:
+    """Other work on the machine: several spinning processes per core, so that a run gets a small part of each.
+    Each in a session of its own, as the grader's run is: Linux's autogroup shares the CPU between sessions."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+            for _ in range(SPINNERS_PER_CORE * len(os.sched_getaffinity(0)))]
+
+
+def stop_spinning(spinners: list[subprocess.Popen]) -> None:
+    for spinner in spinners:
+        spinner.kill()
+    for spinner in spinners:
+        spinner.wait()
+
+
+def cpu_spending_job(queue: AssessQueue, tmp_path: Path, student: str) -> dict:
+    job_dir = tmp_path / "jobs" / student
+    job_dir.mkdir(parents=True)
+    (job_dir / "assessment.py").write_bytes(CPU_SPENDING_SUBMISSION.read_bytes())
+    return submit(queue, student, job_dir, track=SHORT_TRACK)[0]
+
+
+@pytest.mark.slow
+def test_a_run_starved_by_other_work_is_graded_again_first_and_its_rerun_on_a_quiet_machine_counts(
+        queue, tmp_path, monkeypatch):
+    """Crowded off the CPU, the first run runs out of time: the job goes back to the front of the queue, ahead of
+    a job that was waiting; the other work stops once it is re-queued, and the re-run ends with the submission's
+    honest verdict (it saves no model), whose notes say why it was graded again."""
+    monkeypatch.setenv("SCALELAB_HOME", str(tmp_path / "home"))
+    job = cpu_spending_job(queue, tmp_path, "ana")
+    (tmp_path / "jobs" / "ben").mkdir(parents=True)
+    (tmp_path / "jobs" / "ben" / "assessment.py").write_bytes(FAST_SUBMISSION.read_bytes())
+    waiting, _ = submit(queue, "ben", tmp_path / "jobs" / "ben", track=SHORT_TRACK)
+    workers = workers_for(queue)
+    spinners = keep_every_core_busy()
+    try:
+        workers.start()
+        deadline = time.monotonic() + 90
+        while queue.get(job["id"])["rerun_count"] == 0 and queue.get(job["id"])["state"] != DONE \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        stop_spinning(spinners)
+    requeued = queue.get(job["id"])
+    try:
+        deadline = time.monotonic() + 90
+        while any(queue.get(each["id"])["state"] != DONE for each in (job, waiting)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        workers.stop()
+    stored = queue.get(job["id"])
+    assert stored["state"] == DONE, stored
+    [rerun] = stored["reruns"]
+    assert rerun["cause"] == RERUN_MACHINE_BUSY and "it was graded again from scratch" in rerun["reason"], rerun
+    assert int(BUSY_SENTENCE.match(rerun["reason"]).group(1)) >= CONTENDED_SHARE * 100
+    assert "other work crowded the grading machine" in panel.status_text({**requeued, "state": QUEUED, "position": 1})
+    verdict = stored["verdict"]
+    assert verdict["verdict"] == "fail" and verdict["contended"] is False, verdict
+    assert "no model was saved" in verdict["reasons"][0]
+    assert verdict["cpu_contention"]["capacity_cpu_s"] > 0
+    assert any(note.startswith("Re-run on ") and BUSY_SENTENCE.search(note) for note in verdict["notes"])
+    assert queue.get(waiting["id"])["started_at"] > stored["started_at"], "the re-run went first"
+
+
+@pytest.mark.slow
+def test_a_run_starved_at_every_try_ends_with_the_machine_too_busy_never_a_timeout(queue, tmp_path, monkeypatch):
+    monkeypatch.setenv("SCALELAB_HOME", str(tmp_path / "home"))
+    job = cpu_spending_job(queue, tmp_path, "ana")
+    workers = GradingWorkers(queue, GraderSettings(track=SHORT_TRACK, track_file=str(TEST_TRACKS),
+                                                   poll_interval_s=0.2), slots=1, max_reruns=1)
+    spinners = keep_every_core_busy()
+    try:
+        grade_until_done(workers, queue, job["id"], timeout_s=150)
+    finally:
+        stop_spinning(spinners)
+    stored = queue.get(job["id"])
+    assert stored["state"] == DONE and stored["rerun_count"] == 1, stored
+    assert stored["reruns"][0]["cause"] == RERUN_MACHINE_BUSY
+    verdict = stored["verdict"]
+    assert verdict["verdict"] == "error" and verdict["contended"] is True, verdict
+    [reason] = verdict["reasons"]
+    assert reason.startswith("Not graded: the grading machine was too busy. Other work on the grading machine used")
+    assert "graded again 1 time(s)" in reason and "Nothing was recorded against you" in reason
+    assert verdict["cpu_contention"]["share"] >= CONTENDED_SHARE
+    assert any(note.startswith("Re-run on ") for note in verdict["notes"])
 
 
 def test_a_database_of_an_earlier_version_gains_the_rerun_columns(database, tmp_path):
