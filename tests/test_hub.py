@@ -22,6 +22,7 @@ from conftest import PROJECT_ROOT
 from hubtools import (HUB_VENV, accounts, hub, processes_of, random_name, remove_account,  # noqa: F401
                       scalelab_class, spawn)
 
+from scalelab import environment
 from scalelab.grader.classroom import server_limits
 
 # The first `make hub` on a machine installs the shared venv (Horovod is compiled unless .venv's wheel is kept).
@@ -63,6 +64,16 @@ def test_the_right_password_redirects_to_spawn_and_the_server_runs_as_the_studen
         assert {process.gids().real, process.gids().effective} == {account.pw_gid}
         assert process.environ()["PATH"].startswith(f"{HUB_VENV}/bin:"), "kernels must find the venv's horovodrun"
         assert process.cwd() == account.pw_dir
+    # The labs run the course's scripts, which the venv (the library alone) does not hold: staged, solution-free.
+    scripts = Path(servers[0].environ()["SCALELAB_SOURCE_DIR"])
+    assert sorted(path.name for path in scripts.iterdir()) == sorted(environment.COURSE_SCRIPTS)
+    for name_of_script in environment.COURSE_SCRIPTS:
+        assert (scripts / name_of_script).read_bytes() == (PROJECT_ROOT / "source_code" / name_of_script).read_bytes()
+    found = subprocess.run(["runuser", "-u", name, "--", "env", f"SCALELAB_SOURCE_DIR={scripts}",
+                            f"{HUB_VENV}/bin/python", "-I", "-c",
+                            "from scalelab import environment; print(environment.course_source_dir())"],
+                           capture_output=True, text=True, timeout=120, cwd="/")
+    assert found.returncode == 0 and found.stdout.strip() == str(scripts), found.stdout + found.stderr
 
 
 FORK_UNTIL_REFUSED = """

@@ -17,7 +17,7 @@ import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 
 from conftest import PROJECT_ROOT
-from scalelab import cli, lab_setup
+from scalelab import cli, environment, lab_setup
 
 GENERATED = ("release", "submitted", "autograded", "feedback", "gradebook.db", "grades.csv", ".ipynb_checkpoints")
 ASSIGNMENTS = sorted(path.name for path in (PROJECT_ROOT / "labs" / "source").iterdir() if path.is_dir())
@@ -141,6 +141,24 @@ def test_student_view_has_what_the_labs_and_the_assessment_read_from_source_code
         assert (view / "source_code" / name).exists(), f"the labs read source_code/{name}"
     assert (view / "source_code" / "scalelab" / "__init__.py").is_file(), "the course library, to read"
     assert (view / "source_code" / "scalelab" / "runtime.py").is_file(), "the helpers lab 3's FIXMEs name, to read"
+    assert environment.course_source_dir({"SCALELAB_SOURCE_DIR": str(view / "source_code")}) == view / "source_code"
+
+
+def test_the_labs_find_the_courses_scripts_in_a_checkout_or_where_the_operator_says(tmp_path, monkeypatch):
+    assert environment.course_source_dir({}) == PROJECT_ROOT / "source_code"
+    staged = tmp_path / "course" / "source_code"
+    staged.mkdir(parents=True)
+    for name in environment.COURSE_SCRIPTS:
+        (staged / name).write_text("# the course's script\n")
+    assert environment.course_source_dir({"SCALELAB_SOURCE_DIR": str(staged)}) == staged
+    (staged / "cifar10_ladder.py").unlink()
+    with pytest.raises(FileNotFoundError, match=r"SCALELAB_SOURCE_DIR=.*missing: cifar10_ladder.py"):
+        environment.course_source_dir({"SCALELAB_SOURCE_DIR": str(staged)})
+    # A shared install (the Hub's venv) has the library alone: without the setting, a clear error, not a wrong path.
+    installed = tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "scalelab" / "environment.py"
+    monkeypatch.setattr(environment, "__file__", str(installed))
+    with pytest.raises(FileNotFoundError, match="beside the installed scalelab package.*set SCALELAB_SOURCE_DIR"):
+        environment.course_source_dir({})
 
 
 def test_every_entry_of_source_code_is_course_material_a_worked_solution_or_course_tooling():

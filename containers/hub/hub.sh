@@ -149,11 +149,19 @@ PY
 # What every student's ~/scalelab starts from: readable by all, replaced whole.
 say "Staging the course for students in $HUB_COURSE"
 staging="$HUB_COURSE.new"
+course_scripts=$("$HUB_VENV/bin/python" -I -c 'from scalelab.environment import COURSE_SCRIPTS
+print(" ".join(COURSE_SCRIPTS))') && [ -n "$course_scripts" ] ||
+    fail $EXIT_FAILED "the list of the course's scripts could not be read from $HUB_VENV."
 rm -rf "$staging"
 (
     umask 022
-    mkdir -p "$staging/labs" "$staging/assessment"
+    mkdir -p "$staging/labs" "$staging/assessment" "$staging/source_code"
     cp -R "$project_root/labs/release/." "$staging/labs/"
+    # The scripts the labs run (the library itself is in the venv); never a worked solution. Student servers find
+    # them through SCALELAB_SOURCE_DIR (jupyterhub_config.py).
+    for script in $course_scripts; do
+        cp "$project_root/source_code/$script" "$staging/source_code/"
+    done
     cp "$project_root/assessment/assessment.ipynb" "$project_root/assessment/assessment.py" "$staging/assessment/"
     # The tracks the grader service reads (as scalelab, which cannot read a checkout under a private home).
     cp "$project_root/assessment/tracks.toml" "$staging/tracks.toml"

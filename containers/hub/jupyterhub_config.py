@@ -125,6 +125,8 @@ c.Spawner.environment = {
     "OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
     "OMPI_MCA_coll_tuned_dynamic_rules_filename": str(
         next(venv.glob("lib/python3*/site-packages/scalelab/openmpi-collective-rules.conf"), "")),
+    # The scripts the labs run: the venv holds the library only (scalelab.environment.course_source_dir).
+    "SCALELAB_SOURCE_DIR": str(course / "source_code"),
 }
 if os.environ.get("SCALELAB_CIFAR10_DIR"):
     c.Spawner.environment["SCALELAB_CIFAR10_DIR"] = os.environ["SCALELAB_CIFAR10_DIR"]

@@ -57,6 +57,24 @@ def gpus() -> list[str]:
     return [line.strip() for line in listing.stdout.splitlines() if line.strip()] if listing.returncode == 0 else []
 
 
+# The course's scripts the labs run, next to the library in a checkout (source_code/); a shared install (the Hub's
+# venv) has only the library, and the operator's SCALELAB_SOURCE_DIR names where the scripts are.
+COURSE_SCRIPTS = ("fashion_mnist.py", "cifar10_ladder.py")
+
+
+def course_source_dir(environ: dict[str, str] | None = None) -> Path:
+    """The folder that holds the course's scripts (:data:`COURSE_SCRIPTS`); a clear error where there is none."""
+    environ = os.environ if environ is None else environ
+    named = environ.get("SCALELAB_SOURCE_DIR")
+    folder = Path(named) if named else Path(__file__).resolve().parents[1]
+    missing = [name for name in COURSE_SCRIPTS if not (folder / name).is_file()]
+    if missing:
+        where = f"SCALELAB_SOURCE_DIR={named}" if named else f"{folder}, beside the installed scalelab package,"
+        raise FileNotFoundError(f"the course's scripts are not in {where} (missing: {', '.join(missing)}): set "
+                                "SCALELAB_SOURCE_DIR to the course's source_code folder")
+    return folder
+
+
 def horovodrun_path() -> str | None:
     beside_python = Path(sys.executable).with_name("horovodrun")
     return str(beside_python) if beside_python.exists() else shutil.which("horovodrun")

@@ -26,7 +26,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from .environment import openmpi_settings
+from .environment import COURSE_SCRIPTS, openmpi_settings
 
 KERNEL_NAME = "scalelab"
 KERNEL_DISPLAY_NAME = "Python 3 (ScaleLab)"
@@ -41,7 +41,7 @@ JUPYTERLAB_SETTINGS = {
 ASSESSMENT_FILES = ("assessment.ipynb", "assessment.py")
 # The course's source_code/ also holds the worked solutions and the benchmarks, so the view's is a folder of its own
 # that links only these: the course library and the scripts the labs run.
-STUDENT_SOURCE = ("scalelab", "fashion_mnist.py", "cifar10_ladder.py")
+STUDENT_SOURCE = ("scalelab", *COURSE_SCRIPTS)
 # Each lab's worked solution, out of the view until released after the lab.
 SOLUTIONS = {"lab3": ("source_code/fashion_mnist_horovod.py", "source_code/horovod_steps")}
 # Linked: the course's own, always current (the grader reads its own track file, never the view's).
