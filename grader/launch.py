@@ -31,7 +31,7 @@ import psutil
 from scalelab import data as course_data
 from scalelab.environment import openmpi_settings
 
-from . import contention
+from . import contention, snapshots, verify
 from . import sandbox as sandbox_module
 from . import witness
 from .ranklogs import LOG_CAP_BYTES, RankLogDemux
@@ -78,6 +78,8 @@ class JobSpec:
     nproc_limit: int = NPROC_LIMIT
     file_size_limit_bytes: int = FILE_SIZE_LIMIT_BYTES
     log_cap_bytes: int = LOG_CAP_BYTES
+    # Where the grader keeps the versions of the model the run saves while it goes (None: not collected).
+    snapshots_dir: Path | None = None
 
 
 @dataclasses.dataclass
@@ -92,7 +94,9 @@ class RunResult:
     exited (both killed by the grader). ``timeline`` is the streamed timeline's evidence
     (:class:`witness.TimelineEvidence` as a dict) and ``loopback_bytes`` the sandbox's loopback traffic (None:
     not measured, e.g. without a sandbox). ``cpu_contention`` is how much CPU other work on the machine used
-    meanwhile (:class:`contention.CpuContention` as a dict; None: not measured).
+    meanwhile (:class:`contention.CpuContention` as a dict; None: not measured). ``snapshots`` are the versions of
+    the model the run saved while it went, as the grader copied them (:class:`snapshots.Snapshot` as dicts), and
+    ``snapshot_notes`` what the grader skipped of them.
     """
 
     exit_code: int | None
@@ -110,6 +114,8 @@ class RunResult:
     timeline: dict = dataclasses.field(default_factory=dict)
     loopback_bytes: int | None = None
     cpu_contention: dict | None = None
+    snapshots: list = dataclasses.field(default_factory=list)
+    snapshot_notes: list = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -168,8 +174,9 @@ def stage_training_data(dataset: str, job_dir: Path) -> tuple[str, Path]:
 
 def prepare_job(submission: Path, job_dir: Path, *, dataset: str, track_name: str, np: int, launcher: str,
                 launcher_options, time_budget_s: float, grace_s: float, logs_dir: Path,
-                hidden_paths, sandbox: bool = True) -> JobSpec:
-    """Make the job directory (assessment.py, output/, data/ with the training split) and its JobSpec."""
+                hidden_paths, sandbox: bool = True, snapshots_dir: Path | None = None) -> JobSpec:
+    """Make the job directory (assessment.py, output/, data/ with the training split) and its JobSpec;
+    ``snapshots_dir``: where the grader keeps the models the run saves while it goes (None: not kept)."""
     job_dir.mkdir(parents=True, exist_ok=False)
     job_dir.chmod(0o700)
     shutil.copyfile(submission, job_dir / "assessment.py")
@@ -212,7 +219,7 @@ def prepare_job(submission: Path, job_dir: Path, *, dataset: str, track_name: st
     return JobSpec(job_dir=job_dir, command=horovod_command(np, launcher, launcher_options),
                    env=env, np=np, time_budget_s=time_budget_s, grace_s=grace_s, logs_dir=logs_dir,
                    output_dir=output_dir, sandbox=sandbox, sandbox_uid=sandbox_uid,
-                   hidden_paths=[Path(p) for p in hidden_paths], device_paths=devices)
+                   hidden_paths=[Path(p) for p in hidden_paths], device_paths=devices, snapshots_dir=snapshots_dir)
 
 
 def sandbox_argv(job: JobSpec, private_dir: Path, binds=()) -> list[str]:
@@ -379,6 +386,12 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path) -> RunResult:
     timeline.start()
     meter = contention.ContentionMeter()
     meter.start()
+    collector = None
+    if job.snapshots_dir is not None:
+        collector = snapshots.SnapshotCollector(
+            job.job_dir, str((job.output_dir / "model.keras").relative_to(job.job_dir)), job.snapshots_dir,
+            owner_uid=job.sandbox_uid if job.sandbox_uid is not None else os.getuid(),
+            limit_bytes=verify.MODEL_SIZE_LIMIT_BYTES)
     started = time.monotonic()
     try:
         leader = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -401,6 +414,8 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path) -> RunResult:
             elapsed = time.monotonic() - started
             watch.sample_traffic()
             meter.sample()
+            if collector is not None and terminated_at is None:
+                collector.poll(elapsed)
             if on_progress is not None and elapsed >= next_progress:
                 next_progress = elapsed + PROGRESS_INTERVAL_S
                 on_progress({"state": "running", "elapsed_s": round(elapsed, 1),
@@ -441,4 +456,6 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path) -> RunResult:
                      rank_logs=rank_logs, launcher_log=launcher_log, rank_tracebacks=demux.tracebacks(),
                      truncated_logs=truncated, epochs_seen=demux.epochs_seen, survivors_killed=survivors,
                      strays_killed=strays_killed, timeline=dataclasses.asdict(evidence),
-                     loopback_bytes=watch.loopback_bytes, cpu_contention=cpu_contention.as_dict())
+                     loopback_bytes=watch.loopback_bytes, cpu_contention=cpu_contention.as_dict(),
+                     snapshots=[snapshot.as_dict() for snapshot in collector.snapshots] if collector else [],
+                     snapshot_notes=list(collector.notes) if collector else [])

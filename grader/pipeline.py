@@ -206,7 +206,7 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
         job = launch.prepare_job(Path(submission_path), job_dir, dataset=track.dataset, track_name=track.name,
                                  np=np, launcher=track.launcher, launcher_options=track.launcher_options,
                                  time_budget_s=track.time_budget_s, grace_s=track.grace_s, logs_dir=logs_dir,
-                                 hidden_paths=hidden, sandbox=sandbox)
+                                 hidden_paths=hidden, sandbox=sandbox, snapshots_dir=out_dir / "snapshots")
         verdict["sandbox_uid"] = job.sandbox_uid
         heldout = verify.HeldoutProcess(track.dataset, sandboxed=sandbox, explain_below=track.target_accuracy)
         heldout.start_ahead()  # imports TensorFlow at idle priority while the run goes on
@@ -235,6 +235,10 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
                        allreduced_tensors=timeline.allreduced_tensors, active_deciles=timeline.active_deciles,
                        witnesses=witness.figures(timeline, traffic, model.trainable_parameters))
         verdict["cpu_contention"] = run.cpu_contention
+        # The models the run saved as it went, on the grader's clock (the grader's copies stay in out_dir).
+        verdict["snapshots"] = [{key: snapshot[key] for key in ("index", "at_s", "bytes", "sha256")}
+                                for snapshot in run.snapshots]
+        verdict["notes"] += run.snapshot_notes
         decide(verdict, track, run, model, timeline, traffic, job.job_dir)
         if run.loopback_bytes is None and verdict["verdict"] != "timeout":
             verdict["notes"].append("the ranks' traffic was not measured (it is counted on the sandbox's own "

@@ -52,6 +52,8 @@ def job_from_json(text: str) -> launch.JobSpec:
         fields[name] = Path(fields[name])
     for name in _PATH_LIST_FIELDS:
         fields[name] = [Path(p) for p in fields[name]]
+    if fields.get("snapshots_dir") is not None:
+        fields["snapshots_dir"] = Path(fields["snapshots_dir"])
     return launch.JobSpec(**fields)
 
 

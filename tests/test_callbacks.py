@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import io
+import zipfile
 
 import numpy as np
 import pytest
@@ -75,3 +77,20 @@ def test_non_chief_ranks_neither_print_nor_write(tiny_problem, tmp_path, capsys)
                          callbacks.TotalTime(is_chief=False)])
     assert capsys.readouterr().out == ""
     assert not log.exists()
+
+
+def test_models_are_saved_whole_or_not_at_all(tiny_problem, tmp_path):
+    model, features, labels = tiny_problem
+    path = tmp_path / "output" / "model.keras"
+    path.parent.mkdir()
+    model.fit(features, labels, batch_size=64, epochs=2, verbose=0, callbacks=[callbacks.SaveModelEachEpoch(path)])
+    first = path.stat().st_ino
+    with open(path, "rb") as reader:  # a reader of the last version keeps a whole file while the next is saved
+        callbacks.save_model_atomically(model, path)
+        assert tf.keras.models.load_model(tmp_path / "output" / "model.keras").count_params() == model.count_params()
+        kept = reader.read()
+    assert path.stat().st_ino != first, "renamed into place, not rewritten"
+    with zipfile.ZipFile(io.BytesIO(kept)) as whole:  # the version it opened, whole
+        assert whole.testzip() is None
+    assert sorted(entry.name for entry in path.parent.iterdir()) == ["model.keras"], "no partial file is left"
+

@@ -5,6 +5,7 @@ That the unmodified serial assessment fails this track is recorded by `scalelab 
 by test_grader_spec.py); CI runs the baseline through the grader on a short track instead (test_slurm.py), since
 on cifar10-cpu it only ends at the budget."""
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -33,3 +34,12 @@ def test_reference_solution_passes_cifar10_cpu(tmp_path, cifar10_dir):
     assert (code, verdict["verdict"]) == (0, "pass"), verdict["reasons"]
     assert verdict["ranks_seen"] == [0, 1] and verdict["allreduced_tensors"] >= verdict["trainable_variables"]
     assert verdict["heldout_accuracy"] >= verdict["target_accuracy"]
+    # Every epoch's model, taken by the grader as the run went, on its own clock, the last one the final model.
+    snapshots = verdict["snapshots"]
+    assert len(snapshots) >= 2 and [s["index"] for s in snapshots] == list(range(1, len(snapshots) + 1))
+    times = [s["at_s"] for s in snapshots]
+    assert times == sorted(times) and 0 < times[0] and times[-1] <= verdict["wall_time_s"]
+    assert all(later - earlier >= 2.0 for earlier, later in zip(times, times[1:]))
+    final = hashlib.sha256((tmp_path / "out" / "snapshots" / "snapshot-001.keras").read_bytes()).hexdigest()
+    assert final == snapshots[0]["sha256"] and len({s["sha256"] for s in snapshots}) == len(snapshots)
+    assert not any("skipped" in note for note in verdict["notes"]), verdict["notes"]

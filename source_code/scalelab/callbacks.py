@@ -175,3 +175,24 @@ class CSVTimeLog(tf.keras.callbacks.Callback):
         with self.path.open("a", newline="") as handle:
             csv.writer(handle).writerow(["" if row.get(column) is None else row[column]
                                          for column in self._columns()])
+
+
+def save_model_atomically(model: tf.keras.Model, path: Path | str) -> Path:
+    """Save ``model`` to ``path`` whole or not at all: written beside it, then renamed over it, so that a reader
+    (the grader, which copies every version while the run goes) never sees a half-written file."""
+    path = Path(path)
+    partial = path.with_name(f".{path.stem}.partial{path.suffix}")  # Keras picks the format by the suffix
+    model.save(partial)
+    partial.replace(path)
+    return path
+
+
+class SaveModelEachEpoch(tf.keras.callbacks.Callback):
+    """Save the model at the end of every epoch with :func:`save_model_atomically`."""
+
+    def __init__(self, path: Path | str):
+        super().__init__()
+        self.path = Path(path)
+
+    def on_epoch_end(self, epoch, logs=None):
+        save_model_atomically(self.model, self.path)
