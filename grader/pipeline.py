@@ -76,22 +76,27 @@ def _rank_failure_reasons(run: launch.RunResult, job_dir: Path) -> list[str]:
     return reasons
 
 
-def _accuracy_reason(model: verify.ModelCheck, track: spec.Track) -> str:
-    reason = (f"held-out accuracy {model.heldout_accuracy:.4f} is below the target {track.target_accuracy:.4f}: "
-              f"train longer or better within the budget.")
+def _preprocessing_cause(model: verify.ModelCheck, track: spec.Track) -> str | None:
+    """Why a model below the target is there, when preprocessing alone explains it (None otherwise)."""
     tried = model.accuracy_with_preprocessing or {}
-    if tried:
-        how, accuracy = max(tried.items(), key=lambda item: item[1])
-        # Named only when preprocessing alone would have reached the target: then it is the cause, not a hint.
-        if accuracy >= track.target_accuracy and accuracy >= model.heldout_accuracy + 0.05:
-            reason = (f"held-out accuracy {model.heldout_accuracy:.4f} is below the target "
-                      f"{track.target_accuracy:.4f}, yet the same model reaches {accuracy:.4f} when the pixels are "
-                      f"first {how} (measured for this message only, never for the verdict): it was trained on "
-                      f"pixels preprocessed outside the model, and the grader feeds the saved model raw 0-255 "
-                      f"pixels, as the data loaders give them. Put the preprocessing inside the model, as its "
-                      f"first layer (tf.keras.layers.Rescaling(1/255), or a Normalization layer adapted to the "
-                      f"training images), and feed it raw pixels.")
-    return reason
+    if model.heldout_accuracy is None or not tried:
+        return None
+    how, accuracy = max(tried.items(), key=lambda item: item[1])
+    # Named only when preprocessing alone would have reached the target: then it is the cause, not a hint.
+    if accuracy < track.target_accuracy or accuracy < model.heldout_accuracy + 0.05:
+        return None
+    return (f"held-out accuracy {model.heldout_accuracy:.4f} is below the target {track.target_accuracy:.4f}, yet "
+            f"the same model reaches {accuracy:.4f} when the pixels are first {how} (measured for this message only, "
+            f"never for the verdict): it was trained on pixels preprocessed outside the model, and the grader feeds "
+            f"the saved model raw 0-255 pixels, as the data loaders give them. Put the preprocessing inside the "
+            f"model, as its first layer (tf.keras.layers.Rescaling(1/255), or a Normalization layer adapted to the "
+            f"training images), and feed it raw pixels.")
+
+
+def _accuracy_reason(model: verify.ModelCheck, track: spec.Track) -> str:
+    return _preprocessing_cause(model, track) or (
+        f"held-out accuracy {model.heldout_accuracy:.4f} is below the target {track.target_accuracy:.4f}: "
+        f"train longer or better within the budget.")
 
 
 def _not_graded_for_contention(verdict: dict, cpu_contention: dict, facts: list[str]) -> None:
@@ -129,6 +134,9 @@ def decide(verdict: dict, track: spec.Track, run: launch.RunResult, model: verif
             return
         verdict["verdict"] = "timeout"
         verdict["reasons"] = [ran_out + advice] + ([f"for information: {last_model}"] if last_model else [])
+        cause = _preprocessing_cause(model, track)
+        if cause:  # faster training would not have helped: the model was fed other pixels than it learned on
+            verdict["reasons"].append(cause)
         return
     if crowded:  # the verdict stands: a run that did not run out of time was not cut short
         verdict["notes"].append(f"{contention.busy_machine_sentence(run.cpu_contention)}: your run had less of the "
