@@ -180,3 +180,21 @@ def test_the_data_folder_the_caller_names_is_shown_read_only(folder, tmp_path, m
                                  f"open({str(data / 'batches.meta')!r}, 'a').write('x')"])
     assert said[0] == "['batches.meta']"
     assert said[1].startswith(("OSError", "PermissionError")), said[1]
+
+
+def test_the_course_scripts_the_labs_run_are_shown_read_only_and_nothing_else_of_their_folder(tmp_path):
+    from scalelab import environment
+    checkout = kernel_sandbox.course_script_binds({}, for_sudo_caller=False)
+    assert [(bind.source, bind.target, bind.writable) for bind in checkout] == [
+        (PROJECT_ROOT / "source_code" / name, PROJECT_ROOT / "source_code" / name, False)
+        for name in environment.COURSE_SCRIPTS]
+    staged = tmp_path / "course" / "source_code"
+    staged.mkdir(parents=True)
+    for name in environment.COURSE_SCRIPTS:
+        (staged / name).write_text("# the course's script\n")
+    shown = kernel_sandbox.course_script_binds({"SCALELAB_SOURCE_DIR": str(staged)}, for_sudo_caller=False)
+    assert [bind.source for bind in shown] == [staged / name for name in environment.COURSE_SCRIPTS]
+    (staged / environment.COURSE_SCRIPTS[0]).unlink()
+    (staged / environment.COURSE_SCRIPTS[0]).symlink_to("/etc/shadow")
+    assert kernel_sandbox.course_script_binds({"SCALELAB_SOURCE_DIR": str(staged)}, for_sudo_caller=False) == []
+    assert kernel_sandbox.course_script_binds({"SCALELAB_SOURCE_DIR": str(tmp_path)}, for_sudo_caller=False) == []

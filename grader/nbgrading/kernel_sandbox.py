@@ -41,12 +41,13 @@ from pathlib import Path
 
 import psutil
 
+from scalelab import environment
 from scalelab.grader import sandbox as sandbox_module
 
 # What a grading kernel keeps of its caller's environment (anything else, tokens and secrets included, is dropped).
 ALLOWED_NAMES = frozenset({"LANG", "LANGUAGE", "TZ", "NBGRADER_EXECUTION", "PYTHONHASHSEED", "MPLBACKEND",
-                           "SCALELAB_CIFAR10_DIR", "SCALELAB_FASHION_MNIST_DIR", "OMPI_ALLOW_RUN_AS_ROOT",
-                           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "JPY_PARENT_PID"})
+                           "SCALELAB_CIFAR10_DIR", "SCALELAB_FASHION_MNIST_DIR", "SCALELAB_SOURCE_DIR",
+                           "OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "JPY_PARENT_PID"})
 ALLOWED_PREFIXES = ("LC_", "OMPI_MCA_", "HOROVOD_", "TF_CPP_")
 # A name that looks like a credential never passes, whatever its prefix.
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL|COOKIE|AUTH", re.IGNORECASE)
@@ -119,6 +120,22 @@ def data_binds(passed: dict[str, str], for_sudo_caller: bool) -> list[sandbox_mo
     if for_sudo_caller:
         directories = [d for d in directories if readable_by_everyone(d)]
     return [sandbox_module.Bind(d, d) for d in directories]
+
+
+def course_script_binds(passed: dict[str, str], for_sudo_caller: bool) -> list[sandbox_module.Bind]:
+    """The course's scripts the labs run (scalelab.environment.COURSE_SCRIPTS), read-only where they are, so that a
+    notebook finds them as it does outside the sandbox; none where there are none. Under sudo only a folder every
+    account may read, and never through a link."""
+    try:
+        folder = environment.course_source_dir({"SCALELAB_SOURCE_DIR": passed.get("SCALELAB_SOURCE_DIR", "")})
+    except FileNotFoundError:
+        return []
+    if for_sudo_caller and not readable_by_everyone(folder):
+        return []
+    scripts = [folder / name for name in environment.COURSE_SCRIPTS]
+    if not all(stat.S_ISREG(script.lstat().st_mode) for script in scripts):
+        return []
+    return [sandbox_module.Bind(script, script) for script in scripts]
 
 
 class KernelCgroups:
@@ -398,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     cgroups = KernelCgroups(arguments.memory_limit, enabled=kernel_uid is not None)
     work, sockets = Path(arguments.work), Path(arguments.sockets)
     binds = [sandbox_module.Bind(work, work, writable=True, fd=work_fd),
-             sandbox_module.Bind(sockets, sockets, writable=True, fd=sockets_fd), *data_binds(passed, under_sudo)]
+             sandbox_module.Bind(sockets, sockets, writable=True, fd=sockets_fd), *data_binds(passed, under_sudo),
+             *course_script_binds(passed, under_sudo)]
     # Sockets the kernel makes must be open to the caller, another uid: the directory keeps everyone else out.
     wrapped = ["/bin/sh", "-c", 'umask 000 && exec "$@"', "kernel", *command]
     try:
