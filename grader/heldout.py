@@ -4,9 +4,10 @@ The grader runs this module in a separate process (never in its own): it loads `
 mode, predicts the held-out split the grader loads itself, and prints one JSON object:
 ``{"accuracy": float | null, "reason": str | null, "trainable_variables": int, ...}``.
 
-With ``-`` for the model path it first imports TensorFlow and loads the held-out split, then reads the model's
-path from stdin: the grader starts it that way when the run starts, at idle priority, so that the slow part
-(importing TensorFlow) is done by the time the run ends.
+With ``-`` for the model's path it imports TensorFlow and loads the held-out split once, then measures one model
+per line of stdin (``{"model": path, "explain_below": float | null}``) and answers each with one JSON line, until
+stdin closes: the grader starts it that way when the run starts, so that each model the run saves is measured as
+it arrives without importing TensorFlow again.
 """
 
 from __future__ import annotations
@@ -92,24 +93,33 @@ def measure(model_path: str, dataset: str, batch_size: int = 256, heldout=None,
     return result
 
 
+def serve(dataset: str, requests=sys.stdin, answers=sys.stdout) -> int:
+    """Measure the model named by each request line, answering each with one JSON line; stop when stdin closes."""
+    import tensorflow  # noqa: F401  (the slow part, done once, before the first model exists)
+
+    heldout = load_heldout(dataset)
+    for line in iter(requests.readline, ""):
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        result = measure(request["model"], dataset, heldout=heldout, explain_below=request.get("explain_below"))
+        answers.write("\n" + json.dumps(result) + "\n")
+        answers.flush()
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="held-out accuracy of a saved Keras model (JSON on stdout)")
-    parser.add_argument("model", help="path of model.keras; - to read it from stdin once TensorFlow and the "
-                                      "held-out split are loaded")
+    parser.add_argument("model", help="path of model.keras; - to measure one model per line of stdin "
+                                      "({\"model\": path, \"explain_below\": x}) once TensorFlow is loaded")
     parser.add_argument("dataset", help="cifar10 or fashion-mnist")
     parser.add_argument("--explain-below", type=float, default=None, metavar="ACCURACY",
                         help="below this accuracy also try the usual preprocessings (for the reasons)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    model_path, heldout = args.model, None
-    if model_path == "-":
-        import tensorflow  # noqa: F401  (the slow part, done before the model exists)
-
-        heldout = load_heldout(args.dataset)
-        model_path = sys.stdin.readline().strip()
-        if not model_path:  # the grader closed stdin: nothing to measure
-            return 0
-    result = measure(model_path, args.dataset, heldout=heldout, explain_below=args.explain_below)
+    if args.model == "-":
+        return serve(args.dataset)
+    result = measure(args.model, args.dataset, explain_below=args.explain_below)
     sys.stdout.write("\n" + json.dumps(result) + "\n")
     return 0
 

@@ -96,7 +96,9 @@ class RunResult:
     not measured, e.g. without a sandbox). ``cpu_contention`` is how much CPU other work on the machine used
     meanwhile (:class:`contention.CpuContention` as a dict; None: not measured). ``snapshots`` are the versions of
     the model the run saved while it went, as the grader copied them (:class:`snapshots.Snapshot` as dicts), and
-    ``snapshot_notes`` what the grader skipped of them.
+    ``snapshot_notes`` what the grader skipped of them. ``stopped_at_target`` means the grader stopped the run
+    because a snapshot had reached the target (then ``timed_out`` is False and ``exit_code`` is the stop's).
+    ``reported_accuracy`` is the last validation accuracy the run printed (its own claim: for the reasons only).
     """
 
     exit_code: int | None
@@ -116,6 +118,8 @@ class RunResult:
     cpu_contention: dict | None = None
     snapshots: list = dataclasses.field(default_factory=list)
     snapshot_notes: list = dataclasses.field(default_factory=list)
+    stopped_at_target: bool = False
+    reported_accuracy: float | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -363,16 +367,20 @@ def _kill(processes: list[psutil.Process]) -> int:
     return len(processes)
 
 
-def run_local(job: JobSpec, on_progress: Callable[[dict], None] | None = None) -> RunResult:
-    """Run the job on this machine: own session, budget + grace then SIGTERM, SIGKILL; no survivors."""
+def run_local(job: JobSpec, on_progress: Callable[[dict], None] | None = None,
+              on_snapshot: Callable[[dict], None] | None = None,
+              target_reached: Callable[[], bool] | None = None) -> RunResult:
+    """Run the job on this machine: own session, budget + grace then SIGTERM, SIGKILL; no survivors.
+    ``on_snapshot`` gets each snapshot the grader takes of the run's model; once ``target_reached()`` says so, the
+    run is stopped as at the budget (SIGTERM, then SIGKILL), and ``stopped_at_target`` is set."""
     private_dir = Path(tempfile.mkdtemp(prefix="scalelab-run-"))
     try:
-        return _run_local(job, on_progress, private_dir)
+        return _run_local(job, on_progress, private_dir, on_snapshot, target_reached)
     finally:
         shutil.rmtree(private_dir, ignore_errors=True)
 
 
-def _run_local(job: JobSpec, on_progress, private_dir: Path) -> RunResult:
+def _run_local(job: JobSpec, on_progress, private_dir: Path, on_snapshot=None, target_reached=None) -> RunResult:
     timeline = witness.TimelineStream(private_dir)
     timeline.allow(job.sandbox_uid)
     command_inside = {str(witness.TIMELINE_INSIDE): str(timeline.path)}
@@ -405,7 +413,7 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path) -> RunResult:
     reader.start()
     watch = SandboxWatch(leader, job.sandbox)
     deadline = job.time_budget_s + job.grace_s
-    timed_out = killed = False
+    timed_out = killed = stopped_at_target = False
     terminated_at = None
     next_progress = next_stray_check = 0.0
     strays_killed = 0
@@ -415,7 +423,9 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path) -> RunResult:
             watch.sample_traffic()
             meter.sample()
             if collector is not None and terminated_at is None:
-                collector.poll(elapsed)
+                snapshot = collector.poll(elapsed)
+                if snapshot is not None and on_snapshot is not None:
+                    on_snapshot(snapshot.as_dict())
             if on_progress is not None and elapsed >= next_progress:
                 next_progress = elapsed + PROGRESS_INTERVAL_S
                 on_progress({"state": "running", "elapsed_s": round(elapsed, 1),
@@ -425,7 +435,11 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path) -> RunResult:
             if elapsed >= next_stray_check and terminated_at is None:
                 next_stray_check = elapsed + STRAY_CHECK_INTERVAL_S
                 strays_killed += _kill(watch.strays())  # horovodrun then ends with the ranks' own status
-            if elapsed >= deadline and terminated_at is None:
+            if terminated_at is None and target_reached is not None and target_reached():
+                stopped_at_target = True  # the referee has seen the target: the clock has stopped
+                terminated_at = elapsed
+                _signal_job(leader, job, signal.SIGTERM)
+            elif elapsed >= deadline and terminated_at is None:
                 timed_out = True
                 terminated_at = elapsed
                 _signal_job(leader, job, signal.SIGTERM)
@@ -458,4 +472,5 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path) -> RunResult:
                      strays_killed=strays_killed, timeline=dataclasses.asdict(evidence),
                      loopback_bytes=watch.loopback_bytes, cpu_contention=cpu_contention.as_dict(),
                      snapshots=[snapshot.as_dict() for snapshot in collector.snapshots] if collector else [],
-                     snapshot_notes=list(collector.notes) if collector else [])
+                     snapshot_notes=list(collector.notes) if collector else [],
+                     stopped_at_target=stopped_at_target, reported_accuracy=demux.latest_accuracy)

@@ -223,6 +223,13 @@ def status_text(job: dict | None) -> str:
     return f"Assessment {job['id']}: done. Verdict: {verdict.upper()}."
 
 
+def _time_text(verdict: dict) -> str:
+    if verdict.get("time_to_accuracy_s") is not None:
+        return (f"time to accuracy {_number(verdict.get('time_to_accuracy_s'), '.1f')} s "
+                f"(run {_number(verdict.get('wall_time_s'), '.1f')} s)")
+    return f"time {_number(verdict.get('wall_time_s'), '.1f')} s"
+
+
 def verdict_html(job: dict | None) -> str:
     """The verdict with its reasons, accuracy vs target and time vs budget (or the interruption's reason)."""
     if job is None or job["state"] not in FINAL_STATES:
@@ -238,7 +245,7 @@ def verdict_html(job: dict | None) -> str:
             f"<b style='color:{VERDICT_COLOURS.get(name, '#000')};font-size:1.3em'>Verdict: {name.upper()}</b><br>"
             f"held-out accuracy {_number(verdict.get('heldout_accuracy'), '.4f')} "
             f"(target {_number(verdict.get('target_accuracy'), '.4f')}); "
-            f"time {_number(verdict.get('wall_time_s'), '.1f')} s (budget {_number(verdict.get('time_budget_s'), '.0f')} s); "
+            f"{_time_text(verdict)} (budget {_number(verdict.get('time_budget_s'), '.0f')} s); "
             f"ranks seen {html.escape(str(verdict.get('ranks_seen')))}"
             f"<ul>{reasons}</ul></div>")
 
@@ -254,30 +261,38 @@ def history_html(jobs: list[dict]) -> str:
         submitted = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["submitted_at"]))
         rows.append(f"<tr><td>{job['id']}</td><td>{submitted}</td><td>{html.escape(job['track'])}</td>"
                     f"<td>{html.escape(outcome)}</td><td>{_number(verdict.get('heldout_accuracy'), '.4f')}</td>"
-                    f"<td>{_number(verdict.get('wall_time_s'), '.1f')}</td>"
+                    f"<td>{_number(verdict.get('time_to_accuracy_s') or verdict.get('wall_time_s'), '.1f')}</td>"
                     f"<td><code>{job['submission_sha256'][:10]}</code></td></tr>")
     return ("<table class='scalelab-history'><tr><th>#</th><th>submitted</th><th>track</th><th>result</th>"
-            "<th>held-out accuracy</th><th>time (s)</th><th>file sha256</th></tr>" + "".join(rows) + "</table>")
+            "<th>held-out accuracy</th><th>time to accuracy, or run time (s)</th><th>file sha256</th></tr>" + "".join(rows) + "</table>")
 
 
-def accuracy_plot_png(points: list[dict], time_budget_s: float | None, target: float | None) -> bytes | None:
-    """Accuracy vs elapsed time (rank 0's epoch lines as the grader saw them), or None without points."""
+def accuracy_plot_png(points: list[dict], time_budget_s: float | None, target: float | None,
+                      heldout: list[dict] = ()) -> bytes | None:
+    """Accuracy vs elapsed time: rank 0's epoch lines as the grader saw them (the run's own claim), and the
+    grader's held-out measurements of the snapshots (``heldout``: at_s, accuracy); None without either."""
     points = [point for point in points if point.get("accuracy") is not None and point.get("elapsed_s") is not None]
-    if not points:
+    heldout = [point for point in heldout if point.get("accuracy") is not None and point.get("at_s") is not None]
+    if not points and not heldout:
         return None
     from matplotlib.figure import Figure  # no pyplot: safe from a background thread
 
     figure = Figure(figsize=(5, 2.6), dpi=90)
     axes = figure.add_subplot()
-    axes.plot([p["elapsed_s"] for p in points], [p["accuracy"] for p in points], marker="o")
+    if points:
+        axes.plot([p["elapsed_s"] for p in points], [p["accuracy"] for p in points], marker="o",
+                  label="your run's validation (printed)")
+    if heldout:
+        axes.plot([p["at_s"] for p in heldout], [p["accuracy"] for p in heldout], marker="s", color="tab:green",
+                  label="held-out, measured by the grader")
     if target is not None:
         axes.axhline(target, color="grey", linestyle="--", label=f"target {target:.2f}")
-        axes.legend(loc="lower right")
+    axes.legend(loc="lower right", fontsize=7)
     if time_budget_s:
         axes.set_xlim(0, time_budget_s)
     axes.set_xlabel("elapsed time (s)")
-    axes.set_ylabel("accuracy (reported)")
-    axes.set_title("progress as printed by rank 0 (not the verdict)", fontsize=9)
+    axes.set_ylabel("accuracy")
+    axes.set_title("the grader's held-out points decide; the printed ones do not", fontsize=9)
     figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
@@ -380,10 +395,11 @@ class AssessPanel(widgets.VBox):
         self.progress.description = f"{self.progress.value:.0f}/{budget:.0f} s"
         self.progress.bar_style = {"done": "success", "interrupted": "warning"}.get((job or {}).get("state"), "info")
         history = (job or {}).get("progress_history") or []
-        plotted = (history, budget, self.service_info.get("target_accuracy"))
+        heldout = progress.get("heldout_curve") or []
+        plotted = (history, heldout, budget, self.service_info.get("target_accuracy"))
         if plotted != self._plotted:
             self._plotted = plotted
-            png = accuracy_plot_png(history, budget, self.service_info.get("target_accuracy"))
+            png = accuracy_plot_png(history, budget, self.service_info.get("target_accuracy"), heldout)
             if png is not None:
                 self.plot.value = png
                 self.plot.layout.display = ""

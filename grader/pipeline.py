@@ -19,7 +19,7 @@ from typing import Callable
 
 from scalelab import __version__, data as course_data, environment
 
-from . import contention, launch, spec, store, verify, witness
+from . import contention, curve, launch, spec, store, verify, witness
 from . import sandbox as sandbox_module
 from .verdict import new_verdict
 
@@ -99,6 +99,33 @@ def _accuracy_reason(model: verify.ModelCheck, track: spec.Track) -> str:
         f"train longer or better within the budget.")
 
 
+def _curve_reasons(points: list[dict], track: spec.Track, run: launch.RunResult,
+                   model: verify.ModelCheck) -> list[str]:
+    """What the held-out curve (the grader's measurements of the snapshots, none at the target) says of the cause."""
+    measured = [point for point in points if point["accuracy"] is not None]
+    reasons = []
+    if len(measured) >= 2:
+        last, before = measured[-1], measured[-2]
+        recent = measured[-3:]
+        if last["accuracy"] >= before["accuracy"] + 0.01:
+            reasons.append(f"the grader's held-out accuracy was {last['accuracy']:.2f} at {last['at_s']:.0f} s and "
+                           f"still rising ({before['accuracy']:.2f} at {before['at_s']:.0f} s), short of the target "
+                           f"{track.target_accuracy:.2f} within the {track.time_budget_s:.0f} s budget: faster steps "
+                           f"(a larger batch, fewer evaluations) or a larger learning rate would get there sooner.")
+        elif len(recent) == 3 and max(p["accuracy"] for p in recent) - min(p["accuracy"] for p in recent) < 0.01:
+            reasons.append(f"the grader's held-out accuracy stalled at about {last['accuracy']:.2f} over the last "
+                           f"three snapshots ({recent[0]['at_s']:.0f}-{last['at_s']:.0f} s), below the target "
+                           f"{track.target_accuracy:.2f}: training stopped improving (a learning rate too large or "
+                           f"too small, or too small a model), not only too slow.")
+    claimed = run.reported_accuracy
+    best = max((point["accuracy"] for point in measured), default=model.heldout_accuracy)
+    if claimed is not None and best is not None and claimed >= track.target_accuracy > best:
+        reasons.append(f"the run's own validation accuracy reached {claimed:.2f}, but on the held-out images the "
+                       f"grader measured at most {best:.2f}: the model does not generalise as its validation "
+                       f"split suggests (validation on training images, or a split too small to trust).")
+    return reasons
+
+
 def _not_graded_for_contention(verdict: dict, cpu_contention: dict, facts: list[str]) -> None:
     """A run out of time while other work crowded the machine: the budget assumes the machine to itself, so the
     run does not count (an ``error`` verdict, ``contended``); what was measured of it stays in the notes."""
@@ -110,12 +137,31 @@ def _not_graded_for_contention(verdict: dict, cpu_contention: dict, facts: list[
 
 
 def decide(verdict: dict, track: spec.Track, run: launch.RunResult, model: verify.ModelCheck,
-           timeline: witness.TimelineEvidence, traffic: witness.TrafficEvidence, job_dir: Path) -> None:
-    """Fill ``verdict`` (verdict and reasons) from what was measured. Pass iff every condition holds. A run out of
-    time while others used at least ``contention.CONTENDED_SHARE`` of the machine is not graded (``contended``);
+           timeline: witness.TimelineEvidence, traffic: witness.TrafficEvidence, job_dir: Path,
+           points: list[dict] = (), deciding: dict | None = None) -> None:
+    """Fill ``verdict`` (verdict and reasons) from what was measured. Pass iff every condition holds.
+
+    ``deciding`` is the first snapshot whose held-out accuracy reached the target within the budget (``points``
+    the whole curve): then the clock stopped when that snapshot appeared, ``model`` is its measurement, and what
+    the run did after it (stopped by the grader, crashed, ran over time) does not count; the evidence must still
+    show all ranks training together. Without one, the run is judged by how it ended and its final model. A run out
+    of time while others used at least ``contention.CONTENDED_SHARE`` of the machine is not graded (``contended``);
     any other verdict under such contention gets a note saying so."""
     reasons = []
     budget = track.time_budget_s
+    if deciding is not None:
+        reasons = witness.evidence_problems(timeline, traffic, verdict["np"], model.trainable_variables,
+                                            track.min_spread_deciles)
+        if reasons:
+            verdict["verdict"], verdict["reasons"] = "fail", reasons
+            return
+        verdict["verdict"], verdict["time_to_accuracy_s"] = "pass", deciding["at_s"]
+        stopped = " (the grader then stopped the run)" if run.stopped_at_target else ""
+        verdict["reasons"] = [f"held-out accuracy {model.heldout_accuracy:.4f} ≥ target {track.target_accuracy:.4f} "
+                              f"at {deciding['at_s']:.1f} s of the {budget:.0f} s budget, measured by the grader "
+                              f"on snapshot {deciding['index']}{stopped}, with all {verdict['np']} ranks "
+                              f"allreducing gradients throughout training."]
+        return
     crowded = contention.is_contended(run.cpu_contention)
     if run.timed_out or run.wall_time_s > budget:
         if run.timed_out:
@@ -137,6 +183,8 @@ def decide(verdict: dict, track: spec.Track, run: launch.RunResult, model: verif
         cause = _preprocessing_cause(model, track)
         if cause:  # faster training would not have helped: the model was fed other pixels than it learned on
             verdict["reasons"].append(cause)
+        else:
+            verdict["reasons"] += _curve_reasons(list(points), track, run, model)
         return
     if crowded:  # the verdict stands: a run that did not run out of time was not cut short
         verdict["notes"].append(f"{contention.busy_machine_sentence(run.cpu_contention)}: your run had less of the "
@@ -149,12 +197,15 @@ def decide(verdict: dict, track: spec.Track, run: launch.RunResult, model: verif
         reasons.append(model.reason)
     elif model.heldout_accuracy < track.target_accuracy:
         reasons.append(_accuracy_reason(model, track))
+        if not _preprocessing_cause(model, track):
+            reasons += _curve_reasons(list(points), track, run, model)
     reasons += witness.evidence_problems(timeline, traffic, verdict["np"], model.trainable_variables,
                                          track.min_spread_deciles)
     if reasons:
         verdict["verdict"], verdict["reasons"] = "fail", reasons
     else:
         verdict["verdict"] = "pass"
+        verdict["time_to_accuracy_s"] = run.wall_time_s  # no snapshot decided: the final model, at the run's end
         verdict["reasons"] = [f"held-out accuracy {model.heldout_accuracy:.4f} ≥ target {track.target_accuracy:.4f}, "
                               f"in {run.wall_time_s:.0f} s of the {budget:.0f} s budget, with all {verdict['np']} "
                               f"ranks allreducing gradients throughout training."]
@@ -163,8 +214,10 @@ def decide(verdict: dict, track: spec.Track, run: launch.RunResult, model: verif
 def assess(submission_path, track_name: str | spec.Track | None = None, np: int | None = None, out_dir=None,
            backend: str = "local", allow_unsandboxed: bool = False,
            progress: Callable[[dict], None] | None = None, *, track_file=None, database=None,
-           student: str | None = None, extra_hidden=()) -> dict:
-    """Grade one submission; returns the verdict (also written to ``out_dir/verdict.json`` and the database)."""
+           student: str | None = None, extra_hidden=(), live_evaluation: bool = True) -> dict:
+    """Grade one submission; returns the verdict (also written to ``out_dir/verdict.json`` and the database).
+    ``live_evaluation=False`` measures the snapshots only after the run (no early stop; for the benchmark that
+    prices live evaluation)."""
     out_dir = Path(out_dir) if out_dir else store.new_run_dir(Path(submission_path).stem)
     out_dir.mkdir(parents=True, exist_ok=True)
     logs_dir = out_dir / "logs"
@@ -172,7 +225,7 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
         np=np, track=getattr(track_name, "name", track_name), submission=str(submission_path), student=student,
         started_at=launch.utc_now(), logs_dir=str(logs_dir), out_dir=str(out_dir), backend=backend,
         sandboxed=not allow_unsandboxed, grader_version=__version__)
-    job_dir = heldout = None
+    job_dir = heldout = live = None
 
     def report(state: dict) -> None:
         store.write_json_atomic(out_dir / "progress.json", state)
@@ -218,12 +271,18 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
         verdict["sandbox_uid"] = job.sandbox_uid
         heldout = verify.HeldoutProcess(track.dataset, sandboxed=sandbox, explain_below=track.target_accuracy)
         heldout.start_ahead()  # imports TensorFlow at idle priority while the run goes on
+        live = curve.LiveCurve(heldout, track.target_accuracy, track.time_budget_s)
+
+        def report_running(state: dict) -> None:
+            report({**state, "heldout_curve": live.curve()})
         try:
             if backend == "local":
-                run = launch.run_local(job, on_progress=report)
-            elif backend == "slurm":
+                run = launch.run_local(job, on_progress=report_running,
+                                       on_snapshot=live.add if live_evaluation else None,
+                                       target_reached=live.reached if live_evaluation else None)
+            elif backend == "slurm":  # the snapshots are measured once the run is over
                 from . import slurm  # written separately; reuses JobSpec, sandbox_argv and RankLogDemux
-                run = slurm.run(job, on_progress=report)
+                run = slurm.run(job, on_progress=report_running)
             else:
                 raise ValueError(f"unknown backend {backend!r}; known: local, slurm")
         finally:
@@ -233,8 +292,15 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
         report({"state": "verifying", "elapsed_s": run.wall_time_s, "time_budget_s": track.time_budget_s,
                 "epochs_seen": run.epochs_seen, "latest_accuracy": None,
                 "checkpoint_mtime": None})
-        owner_uid = job.sandbox_uid if job.sandbox_uid is not None else os.getuid()
-        model = heldout.measure(job.job_dir, "output/model.keras", owner_uid)
+        heldout.normal_priority()
+        live.finish(run.snapshots)
+        deciding = live.deciding.as_dict() if live.deciding is not None else None
+        if deciding is not None:  # the clock stopped there: that snapshot is the model graded
+            model, graded_model = live.deciding_check(), live.deciding_file()
+        else:
+            owner_uid = job.sandbox_uid if job.sandbox_uid is not None else os.getuid()
+            model = heldout.measure(job.job_dir, "output/model.keras", owner_uid)
+            graded_model = heldout.checked_model
         timeline = witness.TimelineEvidence(**run.timeline) if run.timeline else witness.TimelineCounter().evidence()
         traffic = witness.traffic_evidence(run.loopback_bytes, timeline, model.trainable_parameters,
                                            model.trainable_variables, np)
@@ -244,10 +310,14 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
                        witnesses=witness.figures(timeline, traffic, model.trainable_parameters))
         verdict["cpu_contention"] = run.cpu_contention
         # The models the run saved as it went, on the grader's clock (the grader's copies stay in out_dir).
-        verdict["snapshots"] = [{key: snapshot[key] for key in ("index", "at_s", "bytes", "sha256")}
+        measured = {point["index"]: point for point in live.curve()}
+        verdict["snapshots"] = [{**{key: snapshot[key] for key in ("index", "at_s", "bytes", "sha256")},
+                                 "heldout_accuracy": measured.get(snapshot["index"], {}).get("accuracy")}
                                 for snapshot in run.snapshots]
-        verdict["notes"] += run.snapshot_notes
-        decide(verdict, track, run, model, timeline, traffic, job.job_dir)
+        verdict["deciding_snapshot"] = deciding["index"] if deciding else None
+        verdict["stopped_at_target"] = run.stopped_at_target
+        verdict["notes"] += run.snapshot_notes + live.notes
+        decide(verdict, track, run, model, timeline, traffic, job.job_dir, list(measured.values()), deciding)
         if run.loopback_bytes is None and verdict["verdict"] != "timeout":
             verdict["notes"].append("the ranks' traffic was not measured (it is counted on the sandbox's own "
                                     "network, and this run had no sandbox).")
@@ -258,11 +328,11 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
             verdict["notes"].append(f"every rank had exited, but {run.strays_killed} processes they started were "
                                     f"still running and kept horovodrun from ending; the grader ended them at once "
                                     f"(a run must stop what it starts).")
-        if run.survivors_killed:
+        if run.survivors_killed and not run.stopped_at_target:  # after the grader's own stop, expected
             verdict["notes"].append(f"{run.survivors_killed} processes of the run outlived horovodrun and were "
                                     f"killed by the grader.")
-        if heldout.checked_model is not None:  # the grader's own copy, never the run's file itself
-            shutil.copyfile(heldout.checked_model, out_dir / "model.keras")
+        if graded_model is not None:  # the grader's own copy, never the run's file itself
+            shutil.copyfile(graded_model, out_dir / "model.keras")
             verdict["model_path"] = str(out_dir / "model.keras")
     except Exception as error:  # the grader's own failure: still a verdict, with the reason
         verdict["verdict"] = "error"
@@ -275,6 +345,8 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
                               "measured. Submit it again."]
         raise
     finally:
+        if live is not None:
+            live.abandon()
         if heldout is not None:
             heldout.close()
         verdict["finished_at"] = launch.utc_now()
@@ -289,7 +361,10 @@ def _finish(verdict: dict, out_dir: Path, report, database, student) -> None:
     try:
         report({"state": "done", "elapsed_s": verdict["wall_time_s"], "time_budget_s": verdict["time_budget_s"],
                 "epochs_seen": verdict["epochs_seen"], "latest_accuracy": verdict["heldout_accuracy"],
-                "checkpoint_mtime": None, "verdict": verdict["verdict"]})
+                "checkpoint_mtime": None, "verdict": verdict["verdict"],
+                "heldout_curve": [{"index": snapshot["index"], "at_s": snapshot["at_s"],
+                                   "accuracy": snapshot["heldout_accuracy"], "reason": None}
+                                  for snapshot in verdict["snapshots"] if snapshot["heldout_accuracy"] is not None]})
         store.ResultsDatabase(database).record(verdict, student=student)
     except Exception as error:  # the verdict file is written; say that the database is behind
         verdict["notes"].append(f"the results database could not be updated: {error}")

@@ -77,10 +77,11 @@ VERDICT_FIELDS_FOR_STUDENTS = (
     "verdict", "reasons", "notes", "heldout_accuracy", "target_accuracy", "wall_time_s", "time_budget_s", "np",
     "ranks_seen", "allreduce_count", "allreduced_tensors", "active_deciles", "trainable_variables", "epochs_seen",
     "exit_code", "track", "dataset", "submission_sha256", "student", "started_at", "finished_at", "backend",
-    "sandboxed", "grader_version", "witnesses", "cpu_contention", "contended")
+    "sandboxed", "grader_version", "witnesses", "cpu_contention", "contended", "snapshots", "time_to_accuracy_s",
+    "deciding_snapshot", "stopped_at_target")
 PROGRESS_FIELDS_FOR_STUDENTS = ("state", "elapsed_s", "time_budget_s", "epochs_seen", "latest_accuracy",
                                 "checkpoint_mtime", "verdict", "slurm_job_id", "slurm_state", "slurm_reason",
-                                "queue_position")
+                                "queue_position", "heldout_curve")
 PROGRESS_POINT_FIELDS_FOR_STUDENTS = ("elapsed_s", "accuracy", "epochs_seen")
 
 

@@ -24,6 +24,12 @@ class Verdict:
     active_deciles: int = 0
     trainable_variables: int | None = None
     epochs_seen: int = 0
+    # Every snapshot of the model the grader took while the run went: index, at_s (the grader's clock), bytes,
+    # sha256, heldout_accuracy (None: not measured) — the held-out curve.
+    snapshots: list = dataclasses.field(default_factory=list)
+    time_to_accuracy_s: float | None = None  # when the deciding snapshot appeared (grader's clock); passes only
+    deciding_snapshot: int | None = None    # index of the first snapshot at the target within the budget
+    stopped_at_target: bool = False         # the grader stopped the run once that snapshot was measured
     witnesses: dict | None = None           # each witness's own figures (timeline, loopback traffic)
     exit_code: int | None = None            # horovodrun's
     cpu_contention: dict | None = None      # CPU other work on the machine used during the run (contention.py)

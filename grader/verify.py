@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -94,27 +96,28 @@ def heldout_files(dataset: str) -> list[Path]:
 
 
 class HeldoutProcess:
-    """The held-out measurement of one run, in its own sandboxed process (``scalelab.grader.heldout``).
+    """The held-out measurements of one run, in one sandboxed process (``scalelab.grader.heldout -``) that lives
+    as long as the run's grading: TensorFlow is imported and the held-out split loaded once, then each model the
+    grader hands it (every snapshot as it arrives, then the final model) is measured in turn.
 
     The measuring process sees the software, the held-out split (read-only, under ``/run/scalelab/heldout``)
-    and a folder into which the grader later puts its own checked copy of the model (read-only, under
+    and a folder into which the grader puts its own checked copies of the models (read-only, under
     ``/run/scalelab/model``); nothing of the run, the grader or the machine beyond that. As root it runs as an
     unprivileged uid of its own. Python starts isolated (``-I``: neither the working directory nor PYTHON*
     variables reach ``sys.path``), in an empty directory.
 
-    Importing TensorFlow is most of the measurement's time (3-5 s on 2 cores). ``start_ahead()``, called when the
-    run starts, starts the process at idle priority (SCHED_IDLE: a core only when nothing else wants it), so it
-    imports TensorFlow and loads the held-out split in the run's idle moments instead of after the run;
-    ``measure()`` puts it back to normal priority and hands it the model. Taking a process out of SCHED_IDLE
-    needs CAP_SYS_NICE (root has it, unless a container dropped it); without it the process is started by
-    ``measure()``, after the run, as a plain one.
+    ``start_ahead()``, called when the run starts, starts it at idle priority (SCHED_IDLE: a core only when
+    nothing else wants it; where the grader may not raise it again, at nice 19), so that importing TensorFlow and
+    measuring snapshots take no CPU from the run; ``normal_priority()`` puts it back once the run is over.
     """
 
     INSIDE = Path("/run/scalelab")
 
     def __init__(self, dataset: str, sandboxed: bool = True, explain_below: float | None = None):
         self.dataset, self.sandboxed, self.explain_below = dataset, sandboxed, explain_below
-        self.waiting: subprocess.Popen | None = None
+        self.process: subprocess.Popen | None = None
+        self.at_low_priority = False
+        self._answer_buffer = b""
         self.private_dir = Path(tempfile.mkdtemp(prefix="scalelab-heldout-"))
         self.model_dir = self.private_dir / "model"
         self.model_dir.mkdir()
@@ -122,12 +125,10 @@ class HeldoutProcess:
         self.uid = None
         self.checked_model: Path | None = None  # the grader's copy of the run's model, once it passed the checks
 
-    def _argv(self, model_argument: str) -> tuple[list[str], dict[str, str], str | None]:
+    def _argv(self) -> tuple[list[str], dict[str, str], str | None]:
         files = heldout_files(self.dataset)
         variable = "SCALELAB_CIFAR10_DIR" if self.dataset == "cifar10" else "SCALELAB_FASHION_MNIST_DIR"
-        command = [sys.executable, "-I", "-m", "scalelab.grader.heldout", model_argument, self.dataset]
-        if self.explain_below is not None:
-            command += ["--explain-below", repr(float(self.explain_below))]
+        command = [sys.executable, "-I", "-m", "scalelab.grader.heldout", "-", self.dataset]
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "TF_CPP_MIN_LOG_LEVEL": "2", "HOME": "/tmp",
                "KERAS_HOME": "/tmp/.keras", "MPLCONFIGDIR": "/tmp/.matplotlib", "CUDA_VISIBLE_DEVICES": ""}
         if not self.sandboxed:  # only where the instructor allowed grading without bubblewrap
@@ -144,14 +145,82 @@ class HeldoutProcess:
                                   uid=self.uid)
         return argv, {"PATH": "/usr/bin:/bin"}, None
 
-    def _start(self, model_argument: str, preexec_fn=None) -> subprocess.Popen:
-        argv, env, cwd = self._argv(model_argument)
-        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env, cwd=cwd or "/", preexec_fn=preexec_fn)
+    def _start(self, low_priority: bool) -> subprocess.Popen:
+        argv, env, cwd = self._argv()
+        if low_priority:
+            preexec, self.at_low_priority = (_idle_priority if may_raise_priority() else _lowest_nice), True
+        else:
+            preexec, self.at_low_priority = None, False
+        self._answer_buffer = b""
+        # Its stderr goes to a file: TensorFlow's warnings must never fill a pipe nobody reads while it waits.
+        with open(self.private_dir / "measuring.log", "ab") as log:
+            return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                                    cwd=cwd or "/", preexec_fn=preexec)
 
     def start_ahead(self) -> None:
-        if self.waiting is None and may_raise_priority():
-            self.waiting = self._start("-", preexec_fn=_idle_priority)
+        if self.process is None:
+            self.process = self._start(low_priority=True)
+
+    def normal_priority(self) -> None:
+        """Give the measuring process normal priority again (the run is over); a process that cannot be raised
+        stays as it is: it is alone then, and only slower on a busy machine."""
+        if self.process is not None and self.at_low_priority and self.process.poll() is None:
+            if may_raise_priority() and _restore_normal_priority(self.process.pid):
+                self.at_low_priority = False
+
+    def _ask(self, model_name: str, explain_below: float | None, timeout_s: float) -> dict:
+        """Have the measuring process measure ``model_dir/model_name``; its JSON answer. A process that died
+        is started again (once); one that does not answer in time is stopped."""
+        inside = self.model_dir if not self.sandboxed else self.INSIDE / "model"
+        request = json.dumps({"model": str(inside / model_name), "explain_below": explain_below}) + "\n"
+        if self.process is None or self.process.poll() is not None:
+            _stop(self.process)
+            self.process = self._start(low_priority=False)
+        try:
+            self.process.stdin.write(request.encode())
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died meanwhile: said below, with its log
+        deadline = time.monotonic() + timeout_s
+        while True:
+            line, newline, rest = self._answer_buffer.partition(b"\n")
+            if newline:
+                self._answer_buffer = rest
+                if line.startswith(b"{"):
+                    return json.loads(line)
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                _stop(self.process)
+                self.process = None
+                raise MeasurementTimeout(f"measuring a saved model took more than {timeout_s:.0f} s")
+            ready, _, _ = select.select([self.process.stdout], [], [], min(remaining, 1.0))
+            if ready:
+                chunk = os.read(self.process.stdout.fileno(), 1 << 16)
+                if not chunk:  # the measuring process itself failed: the grader's problem, not the student's
+                    code = self.process.wait()
+                    self.process = None
+                    log = (self.private_dir / "measuring.log").read_text(errors="replace").strip()[-1500:]
+                    raise RuntimeError(f"the held-out measurement failed (exit {code}): {log}")
+                self._answer_buffer += chunk
+
+    def _check(self, answer: dict) -> ModelCheck:
+        return ModelCheck(answer["accuracy"], answer["reason"], answer["trainable_variables"], answer.get("images"),
+                          answer.get("trainable_parameters"), answer.get("accuracy_with_preprocessing"))
+
+    def measure_copy(self, model: Path, explain: bool = False, timeout_s: float = HELDOUT_TIMEOUT_S) -> ModelCheck:
+        """Measure one of the grader's own files (a snapshot it copied under the job-file rules): a copy of it is
+        handed to the measuring process, refused first if its config names foreign code."""
+        copy = self.model_dir / f"measured-{Path(model).name}"
+        shutil.copyfile(model, copy)
+        copy.chmod(0o644)
+        try:
+            refused = model_file_problem(copy)
+            if refused:
+                return ModelCheck(None, refused, None)
+            return self._check(self._ask(copy.name, self.explain_below if explain else None, timeout_s))
+        finally:
+            copy.unlink(missing_ok=True)
 
     def measure(self, job_dir: Path, relative: str, owner_uid: int | None) -> ModelCheck:
         """Copy the run's model out of ``job_dir`` (checked, see jobfiles), refuse it if its config names
@@ -169,33 +238,28 @@ class HeldoutProcess:
         if refused:
             return ModelCheck(None, refused, None)
         self.checked_model = model_copy
-        inside = str(model_copy) if not self.sandboxed else str(self.INSIDE / "model" / "model.keras")
-        process, self.waiting = self.waiting, None
-        if process is not None and process.poll() is None and _restore_normal_priority(process.pid):
-            model_line = f"{inside}\n"
-        else:  # not started ahead, died meanwhile, or stuck at idle priority: a fresh process
-            _stop(process)
-            process, model_line = self._start(inside), ""
+        self.normal_priority()
         try:
-            stdout, stderr = process.communicate(model_line, timeout=HELDOUT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            _stop(process)
-            return ModelCheck(None, f"measuring the saved model took more than {HELDOUT_TIMEOUT_S} s", None)
-        lines = [line for line in stdout.splitlines() if line.startswith("{")]
-        if process.returncode != 0 or not lines:
-            # The measuring process itself failed: the grader's problem, not the student's.
-            raise RuntimeError(f"the held-out measurement failed (exit {process.returncode}): "
-                               f"{stderr.strip()[-1500:]}")
-        result = json.loads(lines[-1])
-        return ModelCheck(result["accuracy"], result["reason"], result["trainable_variables"], result.get("images"),
-                          result.get("trainable_parameters"), result.get("accuracy_with_preprocessing"))
+            return self._check(self._ask(model_copy.name, self.explain_below, HELDOUT_TIMEOUT_S))
+        except MeasurementTimeout as timeout:
+            return ModelCheck(None, str(timeout), None)
 
     def close(self) -> None:
-        """Stop a process started ahead that was never used, and remove the private copies."""
-        process, self.waiting = self.waiting, None
+        """Stop the measuring process and remove the private copies."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            try:
+                process.stdin.close()  # end of requests: it ends by itself
+                process.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
         _stop(process)
         sandbox.release_uid(self.uid)
         shutil.rmtree(self.private_dir, ignore_errors=True)
+
+
+class MeasurementTimeout(RuntimeError):
+    """The measuring process did not answer in time (it was stopped)."""
 
 
 def may_raise_priority() -> bool:
@@ -211,6 +275,10 @@ def may_raise_priority() -> bool:
 
 def _idle_priority() -> None:
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def _lowest_nice() -> None:
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
 
 
 def _restore_normal_priority(pid: int) -> bool:
@@ -242,7 +310,14 @@ def _restore_normal_priority(pid: int) -> bool:
 
 
 def _stop(process: subprocess.Popen | None) -> None:
-    if process is not None and process.poll() is None:
+    if process is None:
+        return
+    if process.poll() is None:
         process.kill()
-    if process is not None:
-        process.communicate()
+    process.wait()
+    for stream in (process.stdin, process.stdout):
+        if stream is not None and not stream.closed:
+            try:
+                stream.close()
+            except OSError:
+                pass

@@ -154,7 +154,7 @@ def test_quick_run_writes_report_json_markdown_and_plots_with_every_figure(tmp_p
                               env=subprocess_env(PYTHONPATH=str(PROJECT_ROOT / "source_code")))
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     document = json.loads((out / "report.json").read_text())
-    assert set(document["figures"]) == {"P1", "P2", "P3", "P4", "P5", "P6", "P7"}
+    assert set(document["figures"]) == {"P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8"}
     for figure in document["figures"].values():
         assert {"min", "median", "max", "goal", "met", "what"} <= set(figure)
     # What --quick measures is real: positive ratios from real runs, min ≤ median ≤ max.
@@ -162,7 +162,7 @@ def test_quick_run_writes_report_json_markdown_and_plots_with_every_figure(tmp_p
         figure = document["figures"][measured]
         assert figure["n"] >= 1 and 0 < figure["min"] <= figure["median"] <= figure["max"], figure
     assert document["figures"]["P6"]["memcpy_gb_per_s"]["median"] > 0
-    for skipped in ("P2", "P3", "P4", "P5", "P7"):
+    for skipped in ("P2", "P3", "P4", "P5", "P7", "P8"):
         assert document["figures"][skipped]["not_measured"] == "skipped in --quick"
     for key in ("cpu_model", "cpu_count", "tensorflow", "horovod", "python"):
         assert document["environment"][key], key

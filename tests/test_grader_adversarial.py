@@ -1,6 +1,7 @@
 """Real submissions through `scalelab assess` (real horovodrun in the real sandbox, real data): each adversarial
 case gets the right verdict and reason, and no process of the job is left behind."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -147,3 +148,18 @@ def test_forging_and_peeking_from_inside_the_run_is_blocked(tmp_path, cifar10_di
     assert "forged" not in (tmp_path / "out" / "verdict.json").read_text()
     assert database.latest(None, "fashion-mnist-test", verdict["submission_sha256"])["verdict"] == "fail"
     assert any("shows no allreduce" in reason for reason in verdict["reasons"])
+
+
+def test_a_fixed_epoch_run_that_stalls_on_its_way_out_passes_at_its_time_to_accuracy(tmp_path):
+    code, verdict, took = assess(tmp_path, SUBMISSIONS / "fixed_epochs_then_stall.py", track="fashion-mnist-referee")
+    assert (code, verdict["verdict"]) == (0, "pass"), verdict["reasons"]
+    # The grader measured each epoch's snapshot as it came, and stopped the run at the first at the target.
+    assert verdict["stopped_at_target"] is True and verdict["wall_time_s"] < verdict["time_budget_s"]
+    deciding = next(s for s in verdict["snapshots"] if s["index"] == verdict["deciding_snapshot"])
+    assert verdict["time_to_accuracy_s"] == deciding["at_s"] <= verdict["wall_time_s"]
+    assert deciding["heldout_accuracy"] == verdict["heldout_accuracy"] >= verdict["target_accuracy"]
+    earlier = [s for s in verdict["snapshots"] if s["index"] < deciding["index"]]
+    assert earlier and all(s["heldout_accuracy"] < verdict["target_accuracy"] for s in earlier)
+    assert verdict["ranks_seen"] == [0, 1] and verdict["allreduced_tensors"] >= verdict["trainable_variables"]
+    # The grader's copy of the deciding snapshot is the model kept with the verdict.
+    assert hashlib.sha256(Path(verdict["model_path"]).read_bytes()).hexdigest() == deciding["sha256"]

@@ -32,6 +32,7 @@ def assess(tmp_path: Path, submission: Path) -> tuple[int, dict]:
 def test_reference_solution_passes_cifar10_cpu(tmp_path, cifar10_dir):
     code, verdict = assess(tmp_path, ASSESSMENT / "solution" / "assessment.py")
     assert (code, verdict["verdict"]) == (0, "pass"), verdict["reasons"]
+    target = verdict["target_accuracy"]
     assert verdict["ranks_seen"] == [0, 1] and verdict["allreduced_tensors"] >= verdict["trainable_variables"]
     assert verdict["heldout_accuracy"] >= verdict["target_accuracy"]
     # Every epoch's model, taken by the grader as the run went, on its own clock, the last one the final model.
@@ -43,3 +44,10 @@ def test_reference_solution_passes_cifar10_cpu(tmp_path, cifar10_dir):
     final = hashlib.sha256((tmp_path / "out" / "snapshots" / "snapshot-001.keras").read_bytes()).hexdigest()
     assert final == snapshots[0]["sha256"] and len({s["sha256"] for s in snapshots}) == len(snapshots)
     assert not any("skipped" in note for note in verdict["notes"]), verdict["notes"]
+    # The grader measured each one on held-out data as it came; the first at the target decided, and the clock
+    # stopped when it appeared (the run was stopped there unless it was its last epoch anyway).
+    deciding = next(s for s in snapshots if s["index"] == verdict["deciding_snapshot"])
+    assert verdict["time_to_accuracy_s"] == deciding["at_s"] and deciding["heldout_accuracy"] >= target
+    assert all(s["heldout_accuracy"] is not None and s["heldout_accuracy"] < target
+               for s in snapshots if s["index"] < deciding["index"])
+    assert verdict["stopped_at_target"] or deciding["index"] == len(snapshots)

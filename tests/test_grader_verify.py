@@ -85,7 +85,7 @@ def test_heldout_process_started_ahead_waits_at_idle_priority_and_measures_at_no
 
     heldout = verify.HeldoutProcess("fashion-mnist")
     heldout.start_ahead()
-    waiting = heldout.waiting
+    waiting = heldout.process
     assert waiting is not None and waiting.poll() is None
     # the Python inside the sandbox (bwrap's last descendant), once it has started TensorFlow's threads
     deadline = time.monotonic() + 120
@@ -103,17 +103,22 @@ def test_heldout_process_started_ahead_waits_at_idle_priority_and_measures_at_no
     assert thread_policies(python.pid) == {os.SCHED_OTHER}
 
     measured = heldout.measure(tmp_path, "model.keras", owner_uid=None)
-    assert waiting.returncode == 0 and heldout.waiting is None  # the process started ahead did the measuring
+    # the process started ahead did the measuring, and stays to measure more models until the grader closes it
+    assert heldout.process is waiting and waiting.poll() is None
     assert measured == fresh and measured.images == 10000 and 0 <= measured.heldout_accuracy <= 1
+    again = heldout.measure_copy(tmp_path / "model.keras")
+    assert heldout.process is waiting and again.heldout_accuracy == measured.heldout_accuracy
+    heldout.close()
+    assert waiting.returncode == 0 and heldout.process is None
 
 
 @pytest.mark.skipif(not verify.may_raise_priority(), reason="needs CAP_SYS_NICE (the grader runs as root here)")
 def test_heldout_process_started_ahead_is_stopped_when_there_is_no_model(tmp_path):
     heldout = verify.HeldoutProcess("fashion-mnist")
     heldout.start_ahead()
-    waiting = heldout.waiting
+    waiting = heldout.process
     # the run saved no model: refused without asking the measuring process anything...
     assert heldout.measure(tmp_path, "model.keras", owner_uid=None).reason.startswith("no model was saved")
     assert waiting.poll() is None
     heldout.close()  # ...which the grader then stops, rather than leave it waiting
-    assert waiting.returncode is not None and heldout.waiting is None
+    assert waiting.returncode is not None and heldout.process is None

@@ -7,6 +7,11 @@ server). A calibrated budget puts it at 0.6-0.8: the budget measures speed, yet 
 P7 grades the reference solution and the unmodified serial script ``runs`` times each, in turn, through the same
 pipeline as ``scalelab assess``: a trustworthy grader gives the same verdict every time (pass for the reference,
 fail or timeout for the baseline). The figure is the share of gradings with the expected verdict.
+
+P8 prices live evaluation: the reference graded with the grader measuring each snapshot as it arrives (at idle
+priority) and without (the snapshots measured after the run, no early stop), in interleaved pairs. The figure is
+the ratio of the times the same snapshots appeared (the grader's clock), epoch for epoch: how much later an epoch
+ends because the measuring process shares the cores.
 """
 
 from __future__ import annotations
@@ -61,4 +66,27 @@ def repeatability(logs: Path, track: str, runs: int) -> dict:
     figure.update(track=track, verdicts=verdicts,
                   reference_wall_time_s=spread(v["wall_time_s"] for v in verdicts["reference"]),
                   reference_heldout_accuracy=spread(v["heldout_accuracy"] for v in verdicts["reference"]))
+    return figure
+
+
+def live_evaluation_cost(logs: Path, track: str, pairs: int) -> dict:
+    """P8: snapshot times with live evaluation ÷ without, the reference graded ``pairs`` times each way."""
+    ratios, times = [], {"live": [], "after": []}
+    for pair in range(pairs):
+        results = run_in_turn({
+            "live": lambda: pipeline.assess(REFERENCE, track, out_dir=logs / f"live-{pair + 1}"),
+            "after": lambda: pipeline.assess(REFERENCE, track, out_dir=logs / f"after-{pair + 1}",
+                                             live_evaluation=False),
+        }, pair)
+        at = {name: {s["index"]: s["at_s"] for s in verdict["snapshots"]} for name, verdict in results.items()}
+        common = sorted(set(at["live"]) & set(at["after"]))
+        if not common:
+            raise RuntimeError(f"pair {pair + 1}: no snapshot index common to both gradings")
+        ratios.append(sum(at["live"][i] for i in common) / sum(at["after"][i] for i in common))
+        for name, verdict in results.items():
+            times[name].append(verdict["time_to_accuracy_s"])
+        print(f"  pair {pair + 1}: snapshots 1-{common[-1]} at {ratios[-1]:.3f}× with live evaluation; time to "
+              f"accuracy {times['live'][-1]} s live, {times['after'][-1]} s measured after", flush=True)
+    figure = spread(ratios)
+    figure.update(track=track, time_to_accuracy_live_s=times["live"], time_to_accuracy_after_s=times["after"])
     return figure
