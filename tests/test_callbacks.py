@@ -94,3 +94,34 @@ def test_models_are_saved_whole_or_not_at_all(tiny_problem, tmp_path):
         assert whole.testzip() is None
     assert sorted(entry.name for entry in path.parent.iterdir()) == ["model.keras"], "no partial file is left"
 
+
+
+SAVE_TOGETHER = """
+import sys, time
+from pathlib import Path
+import tensorflow as tf
+from scalelab.callbacks import save_model_atomically
+inputs = tf.keras.Input((1000,))
+model = tf.keras.Model(inputs, tf.keras.layers.Dense(int(sys.argv[2]))(tf.keras.layers.Dense(1000)(inputs)))
+start = float(sys.argv[3])
+while time.time() < start:
+    time.sleep(0.005)
+for _ in range(30):
+    save_model_atomically(model, Path(sys.argv[1]))
+"""
+
+
+def test_processes_saving_the_same_model_at_once_each_leave_a_whole_file(tmp_path):
+    # The serial script under horovodrun: every rank saves to the same path, none may fail for the others.
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "model.keras"
+    start = str(time.time() + 8)
+    savers = [subprocess.Popen([sys.executable, "-c", SAVE_TOGETHER, str(path), str(units), start],
+                               stderr=subprocess.PIPE, text=True) for units in (3, 5)]
+    errors = [saver.communicate(timeout=300)[1] for saver in savers]
+    assert [saver.returncode for saver in savers] == [0, 0], errors
+    assert tf.keras.models.load_model(path).output_shape in ((None, 3), (None, 5))
+    assert [entry.name for entry in tmp_path.iterdir()] == ["model.keras"], "no partial file is left"

@@ -10,6 +10,8 @@ them (``EpochPrinter``, ``CSVTimeLog``) print or record those. Under Horovod put
 from __future__ import annotations
 
 import csv
+import os
+import socket
 import time
 from pathlib import Path
 
@@ -179,9 +181,12 @@ class CSVTimeLog(tf.keras.callbacks.Callback):
 
 def save_model_atomically(model: tf.keras.Model, path: Path | str) -> Path:
     """Save ``model`` to ``path`` whole or not at all: written beside it, then renamed over it, so that a reader
-    (the grader, which copies every version while the run goes) never sees a half-written file."""
+    (the grader, which copies every version while the run goes) never sees a half-written file. The partial file
+    is this process's own, so that processes saving the same model at once (the serial script under horovodrun,
+    where every rank thinks it is the only one) replace each other's whole files instead of failing."""
     path = Path(path)
-    partial = path.with_name(f".{path.stem}.partial{path.suffix}")  # Keras picks the format by the suffix
+    # Keras picks the format by the suffix.
+    partial = path.with_name(f".{path.stem}.{socket.gethostname()}-{os.getpid()}.partial{path.suffix}")
     model.save(partial)
     partial.replace(path)
     return path
