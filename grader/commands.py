@@ -190,30 +190,33 @@ def calibrate_command(args: argparse.Namespace) -> int:
         print(f"scalelab calibrate: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     out_root = Path(args.out) if args.out else store.scalelab_home() / "calibration" / track.name
-    # The reference runs with a stretched budget, so that its natural time is measured, not the budget's cut.
+    # The reference runs with a stretched budget, so that its natural time to accuracy is measured, not the budget's
+    # cut; the target is the course's choice and stays.
     stretched = dataclasses.replace(track, time_budget_s=max(track.time_budget_s * 3, 600))
-    times, accuracies = [], []
+    references = []
     for run in range(1, args.runs + 1):
         verdict = pipeline.assess(args.reference, stretched, out_dir=out_root / f"reference-{run}")
         if verdict["verdict"] == "error":
             print(f"reference run {run}: grader error: {verdict['reasons']}", file=sys.stderr)
             return EXIT_INTERNAL
-        wall, accuracy = verdict["wall_time_s"], verdict["heldout_accuracy"] or 0.0
-        times.append(wall)
-        accuracies.append(accuracy)
-        print(f"reference run {run}: {verdict['verdict']} under the stretched budget, {wall:.1f} s, "
-              f"held-out accuracy {accuracy:.4f}"
-              + ("" if verdict["verdict"] == "pass" else f"; {verdict['reasons'][0]}"), flush=True)
-    budget, target = grading.suggest(times, accuracies)
-    print(f"reference times: median {statistics.median(times):.1f} s, max {max(times):.1f} s; "
-          f"accuracies: min {min(accuracies):.4f}, median {statistics.median(accuracies):.4f}")
-    print(f"suggested time_budget_s = {budget}, target_accuracy = {target:.2f}", flush=True)
+        references.append(verdict)
+        print(f"reference run {run}: {verdict['verdict']} under the stretched budget, time to accuracy "
+              f"{verdict['time_to_accuracy_s']} s (run {verdict['wall_time_s']:.1f} s), held-out accuracy "
+              f"{verdict['heldout_accuracy']}" + ("" if verdict["verdict"] == "pass" else f"; {verdict['reasons'][0]}"),
+              flush=True)
+    # The curves (the grader's held-out accuracy of each snapshot), beside the runs' own verdicts.
+    store.write_json_atomic(out_root / "curves.json", {"track": track.name, "target_accuracy": track.target_accuracy,
+                                                        "curves": [reference["snapshots"] for reference in references]})
+    times = [reference["time_to_accuracy_s"] or reference["wall_time_s"] for reference in references]
+    budget, target = grading.suggest(times), track.target_accuracy
+    print(f"times to accuracy: median {statistics.median(times):.1f} s, max {max(times):.1f} s")
+    print(f"suggested time_budget_s = {budget} (target_accuracy {target:.2f} stays)", flush=True)
     # The baseline is graded as the suggested track would grade it: it must fail there.
-    suggested = dataclasses.replace(track, time_budget_s=budget, target_accuracy=target)
+    suggested = dataclasses.replace(track, time_budget_s=budget)
     baseline = pipeline.assess(args.baseline, suggested, out_dir=out_root / "baseline")
     print(f"baseline (unmodified assessment.py): {baseline['verdict']} in {baseline['wall_time_s']} s, "
           f"held-out accuracy {baseline['heldout_accuracy']}; {baseline['reasons'][0] if baseline['reasons'] else ''}")
-    table = grading.calibration_table(track, grading.machine_facts(), times, accuracies, baseline,
+    table = grading.calibration_table(track, grading.machine_facts(), references, baseline,
                                       dt.datetime.now(dt.timezone.utc).date().isoformat())
     recorded = dataclasses.replace(suggested, calibration=tomllib.loads(table.split("\n", 1)[1]))
     problems = recorded.calibration_problems()
@@ -225,7 +228,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
         track_file = spec.tracks_file(args.track_file)
         grading.record_settings(track_file, track.name, budget, target)
         grading.record_calibration(track_file, track.name, table)
-        print(f"recorded in {track_file}: time_budget_s = {budget}, target_accuracy = {target:.2f} and the figures")
+        print(f"recorded in {track_file}: time_budget_s = {budget} and the figures")
     return EXIT_FAIL if problems else EXIT_PASS
 
 

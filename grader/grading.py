@@ -1,5 +1,5 @@
 """Instructors' work on a whole class or track: grading a class (K at a time, resumable, to nbgrader's gradebook)
-and calibrating a track (a budget and a target suggested from the reference's runs, recorded in the track file).
+and calibrating a track (a budget suggested from the reference's times to accuracy, recorded in the track file).
 ``scalelab grade`` and ``scalelab calibrate`` (commands.py) call these.
 
 Gradebook choice: nbgrader 0.9.6 records scores only as ``Grade`` rows of grade cells of notebooks of an
@@ -158,17 +158,14 @@ def grade_class(submissions_root: Path, track: spec.Track, *, out_root: Path, pa
 # calibrate
 # ---------------------------------------------------------------------------------------------------------------
 
-def suggest(reference_times: list[float], reference_accuracies: list[float]) -> tuple[int, float]:
-    """A budget (a multiple of 5 s) that the reference runs fill to 60-80 % (the middle of what every run allows,
-    or, where their spread is too wide for that, the least that keeps the slowest at 80 %), and a target
-    ACCURACY_MARGIN under the worst reference accuracy (rounded down to a hundredth)."""
+def suggest(reference_times: list[float]) -> int:
+    """A budget (a multiple of 5 s) that the reference's times to accuracy fill to 60-80 % (the middle of what
+    every run allows, or, where their spread is too wide for that, the least that keeps the slowest at 80 %)."""
     low_share, high_share = spec.BUDGET_SHARE
     least = 5 * math.ceil(max(reference_times) / high_share / 5)   # the slowest run at 80 %
     most = 5 * math.floor(min(reference_times) / low_share / 5)    # the fastest run at 60 %
     middle = 5 * round((least + most) / 2 / 5)
-    budget = min(max(middle, least), most) if least <= most else least
-    target = math.floor((min(reference_accuracies) - spec.ACCURACY_MARGIN) * 100) / 100
-    return int(budget), target
+    return int(min(max(middle, least), most) if least <= most else least)
 
 
 def machine_facts() -> dict:
@@ -177,16 +174,22 @@ def machine_facts() -> dict:
     return {"cpu_model": facts["cpu_model"], "cpus": facts["cpu_count"], "gpus": environment.gpus()}
 
 
-def calibration_table(track: spec.Track, machine: dict, times, accuracies, baseline: dict, date: str) -> str:
+def calibration_table(track: spec.Track, machine: dict, references: list[dict], baseline: dict, date: str) -> str:
+    """The track's calibration table (TOML) from the reference's verdicts and the baseline's."""
+    def numbers(key: str, digits: int) -> str:
+        return ", ".join(f"{(reference.get(key) or 0):.{digits}f}" for reference in references)
+    times = [reference.get("time_to_accuracy_s") or reference.get("wall_time_s") or 0 for reference in references]
     return "\n".join([
         f"[tracks.{track.name}.calibration]",
         f'date = "{date}"',
         f'cpu_model = "{machine["cpu_model"]}"',
         f"cpus = {machine['cpus']}",
         f"gpus = [{', '.join(repr(str(gpu)).replace(chr(39), chr(34)) for gpu in machine['gpus'])}]",
-        f"reference_runs = {len(times)}",
-        f"reference_wall_time_s = [{', '.join(f'{t:.1f}' for t in times)}]",
-        f"reference_heldout_accuracy = [{', '.join(f'{a:.4f}' for a in accuracies)}]",
+        f"reference_runs = {len(references)}",
+        f"reference_verdicts = [{', '.join(chr(34) + reference['verdict'] + chr(34) for reference in references)}]",
+        f"reference_time_to_accuracy_s = [{', '.join(f'{t:.1f}' for t in times)}]",
+        f"reference_wall_time_s = [{numbers('wall_time_s', 1)}]",
+        f"reference_heldout_accuracy = [{numbers('heldout_accuracy', 4)}]",
         f'baseline_verdict = "{baseline["verdict"]}"',
         f"baseline_wall_time_s = {baseline.get('wall_time_s') or 0:.1f}",
         f"baseline_heldout_accuracy = {baseline.get('heldout_accuracy') or 0:.4f}",

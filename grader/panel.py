@@ -185,6 +185,9 @@ class AssessClient:
     def history(self) -> list[dict]:
         return self._call("GET", "assessments")["assessments"]
 
+    def board(self) -> dict:
+        return self._call("GET", "board")
+
 
 # --- rendering (pure functions of the job, so they are easy to test) --------------------------------------------
 
@@ -250,6 +253,27 @@ def verdict_html(job: dict | None) -> str:
             f"<ul>{reasons}</ul></div>")
 
 
+BOLD = " style='font-weight:bold'"
+
+
+def board_html(standing: dict | None) -> str:
+    """The student's best time to accuracy and rank on the class board (names only where the course shows them)."""
+    if not standing or not standing.get("on_board"):
+        return "<i>No one has passed yet: the class board ranks passes by time to accuracy.</i>"
+    if standing.get("rank") is None:
+        own = "You are not on the board yet (it ranks passes only)."
+    else:
+        own = (f"Your best time to accuracy: <b>{_number(standing.get('best_time_to_accuracy_s'), '.1f')} s</b>, "
+               f"rank <b>{int(standing['rank'])}</b> of {int(standing['on_board'])}.")
+    rows = "".join(
+        f"<tr{BOLD if place.get('you') else ''}><td>{int(place['rank'])}</td>"
+        f"<td>{html.escape(place['student']) if place.get('student') else '—'}</td>"
+        f"<td>{_number(place.get('time_to_accuracy_s'), '.1f')}</td></tr>"
+        for place in (standing.get("board") or [])[:10])
+    return (f"<div class='scalelab-board'>{own}<table><tr><th>rank</th><th>student</th>"
+            f"<th>time to accuracy (s)</th></tr>{rows}</table></div>")
+
+
 def history_html(jobs: list[dict]) -> str:
     """A table of the student's attempts, newest first."""
     if not jobs:
@@ -287,7 +311,7 @@ def accuracy_plot_png(points: list[dict], time_budget_s: float | None, target: f
                   label="held-out, measured by the grader")
     if target is not None:
         axes.axhline(target, color="grey", linestyle="--", label=f"target {target:.2f}")
-    axes.legend(loc="lower right", fontsize=7)
+    axes.legend(loc="upper left", fontsize=7)  # curves rise from the lower left
     if time_budget_s:
         axes.set_xlim(0, time_budget_s)
     axes.set_xlabel("elapsed time (s)")
@@ -314,9 +338,11 @@ class AssessPanel(widgets.VBox):
         self.plot = widgets.Image(format="png", layout=widgets.Layout(display="none"))
         self.verdict = widgets.HTML()
         self.history = widgets.HTML()
+        self.board = widgets.HTML()
         self.error = widgets.HTML()
         super().__init__([widgets.HBox([self.button, self.status]), self.progress, self.plot, self.verdict,
-                          self.error, widgets.HTML("<b>Your assessments</b>"), self.history])
+                          self.error, widgets.HTML("<b>Your assessments</b>"), self.history,
+                          widgets.HTML("<b>Class board</b>"), self.board])
         self.add_class("scalelab-assess-panel")
         self.poll_interval_s = poll_interval_s
         self.service_info: dict = {}
@@ -358,6 +384,7 @@ class AssessPanel(widgets.VBox):
                                f"{info['time_budget_s']:.0f} s")
         jobs = client.history()
         self.history.value = history_html(jobs)
+        self.board.value = board_html(client.board())
         if jobs:
             self._show_job(jobs[0])
             if jobs[0]["state"] not in FINAL_STATES:  # e.g. the page was reloaded during a run
@@ -382,6 +409,7 @@ class AssessPanel(widgets.VBox):
             self._show_job(job)
             if job["state"] in FINAL_STATES:
                 self.history.value = history_html(self.client.history())
+                self.board.value = board_html(self.client.board())
                 return
             time.sleep(self.poll_interval_s)
 

@@ -11,6 +11,7 @@ all under ``/scalelab/api/`` and guarded by Jupyter's own authentication:
                                             but a plain file, which is never followed or read)
 - ``GET  /scalelab/api/assessments``        the student's history, newest first
 - ``GET  /scalelab/api/assessments/<id>``   one job: queued (+ position), running (+ progress), done (+ verdict)
+- ``GET  /scalelab/api/board``              the student's best time to accuracy and rank on the class board
                                             or interrupted (+ reason)
 
 The same service behind JupyterHub, for a class, is ``service/hub.py``: one process for every student, the
@@ -58,7 +59,7 @@ from traitlets.config import LoggingConfigurable
 
 from scalelab.runtime import usable_cores
 
-from . import spec, store
+from . import board, spec, store
 from .pipeline import SUBMISSION_SIZE_LIMIT_BYTES
 from .queue import DONE, INTERRUPTED, MAX_JOB_ID, QUEUED, RUNNING, AssessQueue, QueueFull, TooSoon, sqlite_url
 from .submission import NotASubmission, check_submission_file
@@ -126,6 +127,9 @@ class AssessService(LoggingConfigurable):
     backend = Enum(["local", "slurm"], default_value="local", config=True,
                    help="Where jobs run: this machine, or handed to Slurm by the grader.")
     max_queued = Int(200, config=True, help="Submissions that may wait at once; more are refused (queue full).")
+    board_names = Bool(False, config=True, help=(
+        "Show students the names on the class board (who is ranked where by best time to accuracy). Off: a "
+        "student sees their own best time, their rank and the others' times without names."))
     allow_unsandboxed = Bool(False, config=True,
                              help="Grade even where bubblewrap cannot sandbox the submission (instructors only).")
     submission_path = Unicode("assessment/assessment.py", config=True, help=(
@@ -339,6 +343,10 @@ class AssessService(LoggingConfigurable):
         view["verdict"] = _allowed(job["verdict"], VERDICT_FIELDS_FOR_STUDENTS) if job["state"] == DONE else None
         return _masked(view, self._private_texts)
 
+    def board(self, student: str) -> dict:
+        """The class board as ``student`` sees it (see grader/board.py)."""
+        return board.student_view(self.queue.all_jobs(), student, self.board_names)
+
     def describe(self) -> dict:
         return {"track": self.track_name, "dataset": self.track_spec.dataset,
                 "target_accuracy": self.track_spec.target_accuracy, "time_budget_s": self.track_spec.time_budget_s,
@@ -453,6 +461,12 @@ def send_problem(handler: web.RequestHandler, problem: SubmissionProblem) -> Non
     handler.finish({"message": str(problem), "reason": None})
 
 
+class BoardHandler(AssessHandler):
+    @web.authenticated
+    async def get(self):
+        self.finish(await self.blocking(self.service.board, self.student))
+
+
 class AssessmentHandler(AssessHandler):
     @web.authenticated
     async def get(self, job_id: str):
@@ -481,6 +495,7 @@ def _load_jupyter_server_extension(serverapp):
         (url_path_join(base, "service"), ServiceHandler),
         (url_path_join(base, "assessments"), AssessmentsHandler),
         (url_path_join(base, r"assessments/([0-9]+)"), AssessmentHandler),
+        (url_path_join(base, "board"), BoardHandler),
     ])
     serverapp.log.info("scalelab assess service at %s", base)
 

@@ -71,13 +71,21 @@ def test_programs_run_in_turn_and_in_reverse_every_other_repeat():
 def test_repeatability_counts_the_gradings_with_the_expected_verdict(tmp_path, monkeypatch):
     from benchmarks import assessment
 
-    outcomes = {"reference": iter(["pass", "fail", "pass"]), "baseline": iter(["timeout", "fail", "pass"])}
-    monkeypatch.setattr(assessment.pipeline, "assess", lambda path, track, out_dir: {
-        "verdict": next(outcomes[out_dir.name.split("-")[0]]), "wall_time_s": 40.0, "heldout_accuracy": 0.55})
+    outcomes = {"reference": iter(["pass", "fail", "pass"]), "baseline": iter(["timeout", "fail", "pass"]),
+                "fixed-epochs": iter(["pass", "timeout", "pass"])}
+
+    def graded(path, track, out_dir):
+        verdict = next(outcomes[out_dir.name.rsplit("-", 1)[0]])
+        return {"verdict": verdict, "wall_time_s": 40.0, "heldout_accuracy": 0.55,
+                "time_to_accuracy_s": 38.0 if verdict == "pass" else None}
+    monkeypatch.setattr(assessment.pipeline, "assess", graded)
     figure = assessment.repeatability(tmp_path, "cifar10-cpu", runs=3)
     assert [v["verdict"] for v in figure["verdicts"]["reference"]] == ["pass", "fail", "pass"]
     assert [v["verdict"] for v in figure["verdicts"]["baseline"]] == ["timeout", "fail", "pass"]
     assert figure["median"] == 4 / 6  # one reference failed, one baseline passed: neither repeats its verdict
+    # The fixed-epoch conversion is reported beside the figure, not counted in it.
+    assert [v["verdict"] for v in figure["verdicts"]["fixed-epochs"]] == ["pass", "timeout", "pass"]
+    assert figure["time_to_accuracy_s"]["fixed-epochs"]["n"] == 2
 
 
 def test_measured_programs_run_with_open_mpis_idle_threads_yielding_unless_the_caller_chose(monkeypatch):

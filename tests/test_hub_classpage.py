@@ -123,10 +123,12 @@ def test_the_instructor_sees_one_row_per_student_after_each_has_a_verdict(hub):
     a, b, d = (hub.students[role] for role in ("A", "B", "D"))
     for name in (a, b):
         [job] = history(hub, "A" if name == a else "B")
-        # student, attempts, latest verdict, best verdict, accuracy, wall time, when, (regrade)
+        # student, attempts, latest verdict, best verdict, board rank, time to accuracy, accuracy, wall time,
+        # when, (regrade)
         assert rows[name][1] == "1"
         assert rows[name][2] == f"fail #{job['id']}" and rows[name][3] == f"fail #{job['id']}"
-        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", rows[name][6]), rows[name]
+        assert rows[name][4:6] == ["", ""]  # a fail is not on the board
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", rows[name][8]), rows[name]
         assert f'href="/services/scalelab/class/jobs/{job["id"]}"' in page.text
     # A student who has logged in but never submitted has a row too; the instructor has none.
     assert rows[d][1:4] == ["0", "none", "none"]

@@ -44,9 +44,15 @@ def server(tmp_path_factory):
 
 def test_every_route_requires_jupyter_authentication(server):
     for method, path in (("GET", "service"), ("GET", "assessments"), ("POST", "assessments"),
-                         ("GET", "assessments/1")):
+                         ("GET", "assessments/1"), ("GET", "board")):
         assert server.api(method, path, token="").status_code in (401, 403), (method, path)
         assert server.api(method, path, token="not-a-token").status_code in (401, 403), (method, path)
+
+
+def test_the_board_answers_the_student_with_their_own_standing(server):
+    standing = server.api("GET", "board", token="bob-token").json()
+    assert standing["names_shown"] is False and standing["rank"] is None
+    assert set(standing) == {"best_time_to_accuracy_s", "rank", "on_board", "names_shown", "board"}
 
 
 def test_service_describes_the_track_and_the_student(server):

@@ -125,8 +125,13 @@ def measure_reference(track: str) -> dict:
             seen = assess_in_browser(server, screenshot, verdict_timeout_s=budget + 180)
         finally:
             server.stop()
+    # The time to accuracy as the panel shows it to the student (the grader's referee clock).
+    shown = re.search(r"time to accuracy ([0-9.]+) s", seen["verdict_text"])
+    time_to_accuracy_s = float(shown.group(1)) if shown else None
     return {"track": track, "time_budget_s": budget, "click_to_verdict_s": round(seen["click_to_verdict_s"], 1),
             "ratio_to_budget": round(seen["click_to_verdict_s"] / budget, 3),
+            "time_to_accuracy_s": time_to_accuracy_s,
+            "time_to_accuracy_to_budget": round(time_to_accuracy_s / budget, 3) if shown else None,
             "verdict_text": seen["verdict_text"], "screenshot": str(screenshot)}
 
 

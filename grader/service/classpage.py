@@ -36,7 +36,7 @@ from tornado import web
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError
 from tornado.httputil import url_concat
 
-from .. import jobfiles
+from .. import board, jobfiles
 from ..classroom.accounts import HUB_INSTRUCTORS_GROUP
 from ..pipeline import SUBMISSION_SIZE_LIMIT_BYTES
 from ..queue import ACTIVE_STATES, DONE, MAX_JOB_ID
@@ -54,7 +54,7 @@ MAX_LOGS_SHOWN = 33  # launcher.log and 32 ranks
 LOG_NAME = re.compile(r"(launcher|rank-(\d{1,4}))\.log")
 CSV_COLUMNS = ("student", "attempts", "regrades", "latest_job", "latest_state", "latest_verdict",
                "latest_submitted_at", "best_job", "best_verdict", "best_heldout_accuracy", "best_wall_time_s",
-               "best_finished_at")
+               "best_finished_at", "best_time_to_accuracy_s", "board_rank")
 # A spreadsheet takes a cell starting with these for a formula.
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 USERS_PAGE_LIMIT = 200
@@ -74,6 +74,7 @@ class StudentRow:
     latest: dict | None = None  # the newest job, whatever its state
     best: dict | None = None  # the best finished job (see merit)
     jobs: list[dict] = field(default_factory=list)
+    place: board.Place | None = None  # on the class board (passes only, by best time to accuracy)
 
 
 def run_summary(job: dict) -> dict:
@@ -81,17 +82,18 @@ def run_summary(job: dict) -> dict:
     verdict = job["verdict"] if job["state"] == DONE and isinstance(job["verdict"], dict) else {}
     return {"id": job["id"], "state": job["state"], "verdict": verdict.get("verdict"),
             "heldout_accuracy": verdict.get("heldout_accuracy"), "wall_time_s": verdict.get("wall_time_s"),
+            "time_to_accuracy_s": board.time_to_accuracy(verdict) if job["state"] == DONE else None,
             "submitted_at": job["submitted_at"], "finished_at": job["finished_at"],
             "regrade": (job["submission_path"] or "").startswith(REGRADE_ORIGIN)}
 
 
 def merit(run: dict) -> tuple:
-    """Smaller is better: pass before fail before timeout before error; a faster pass, a more accurate other
-    verdict, then the newer run."""
+    """Smaller is better: pass before fail before timeout before error; a pass with a shorter time to accuracy,
+    a more accurate other verdict, then the newer run."""
     verdict = run["verdict"]
     order = VERDICT_ORDER.index(verdict) if verdict in VERDICT_ORDER else len(VERDICT_ORDER)
     if verdict == "pass":
-        second = run["wall_time_s"] if run["wall_time_s"] is not None else math.inf
+        second = run["time_to_accuracy_s"] if run.get("time_to_accuracy_s") is not None else math.inf
     else:
         second = -run["heldout_accuracy"] if run["heldout_accuracy"] is not None else math.inf
     return order, second, -run["id"]
@@ -112,6 +114,8 @@ def class_rows(jobs: list[dict], hub_students: list[str] | None = None) -> list[
             row.latest = run
         if run["verdict"] is not None and (row.best is None or merit(run) < merit(row.best)):
             row.best = run
+    for place in board.standings(jobs):
+        rows[place.student].place = place
     return [rows[name] for name in sorted(rows)]
 
 
@@ -128,6 +132,8 @@ COLUMNS = {
     "attempts": ("Attempts", lambda row: row.attempts),
     "latest": ("Latest verdict", _latest_verdict_order),
     "best": ("Best verdict", lambda row: merit(row.best) if row.best else None),
+    "rank": ("Board", lambda row: row.place and row.place.rank),
+    "time_to_accuracy": ("Time to accuracy (best pass)", lambda row: row.place and row.place.time_to_accuracy_s),
     "accuracy": ("Held-out accuracy (best run)", lambda row: row.best and row.best["heldout_accuracy"]),
     "wall_time": ("Wall time (best run)", lambda row: row.best and row.best["wall_time_s"]),
     "when": ("Last submitted", lambda row: row.latest and row.latest["submitted_at"]),
@@ -157,7 +163,8 @@ def csv_text(rows: list[StudentRow]) -> str:
         writer.writerow([cell(value) for value in (
             row.student, row.attempts, row.regrades, latest.get("id"), latest.get("state"), latest.get("verdict"),
             utc_iso(latest.get("submitted_at")), best.get("id"), best.get("verdict"),
-            best.get("heldout_accuracy"), best.get("wall_time_s"), utc_iso(best.get("finished_at")))])
+            best.get("heldout_accuracy"), best.get("wall_time_s"), utc_iso(best.get("finished_at")),
+            row.place.time_to_accuracy_s if row.place else None, row.place.rank if row.place else None)])
     return out.getvalue()
 
 
@@ -315,6 +322,27 @@ def _regrade_form(action: str, xsrf: str, fields: dict, label: str) -> str:
     return f'<form class="inline" method="post" action="{escape(action)}">{hidden}<button>{escape(label)}</button></form>'
 
 
+def curve_svg(points: list, track, width: int = 120, height: int = 28) -> str:
+    """A small inline SVG of held-out accuracy against the grader's time (0 to the budget, 0 to 1), with the
+    target as a dashed line; empty without points. Numbers only: nothing a run wrote reaches the markup."""
+    points = [(float(at_s), float(accuracy)) for at_s, accuracy in points][:64]
+    if not points:
+        return ""
+    budget = float(track.time_budget_s) or 1.0
+
+    def x(at_s):
+        return round(min(max(at_s / budget, 0.0), 1.0) * width, 1)
+
+    def y(accuracy):
+        return round((1.0 - min(max(accuracy, 0.0), 1.0)) * height, 1)
+    line = " ".join(f"{x(at_s)},{y(accuracy)}" for at_s, accuracy in points)
+    target = y(track.target_accuracy)
+    return (f'<svg class="curve" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">'
+            f'<title>held-out accuracy per snapshot</title>'
+            f'<line x1="0" y1="{target}" x2="{width}" y2="{target}" stroke="grey" stroke-dasharray="3,2"/>'
+            f'<polyline points="{line}" fill="none" stroke="green"/></svg>')
+
+
 def class_page(rows: list[StudentRow], *, service: AssessService, prefix: str, column: str, descending: bool,
                xsrf: str, instructor: str, hub_problem: str | None) -> str:
     class_url = url_path_join(prefix, "class")
@@ -336,6 +364,9 @@ def class_page(rows: list[StudentRow], *, service: AssessService, prefix: str, c
         body_rows.append(
             f"<tr><td>{escape(row.student)}</td><td class=number>{attempts}</td>"
             f"<td>{_verdict_cell(row.latest, jobs_url)}</td><td>{_verdict_cell(row.best, jobs_url)}</td>"
+            f"<td class=number>{row.place.rank if row.place else ''}</td>"
+            f"<td class=number>{_number(row.place and row.place.time_to_accuracy_s, 1, ' s')} "
+            f"{curve_svg(row.place.curve, track) if row.place else ''}</td>"
             f"<td class=number>{_number(best.get('heldout_accuracy'), 4)}</td>"
             f"<td class=number>{_number(best.get('wall_time_s'), 0, ' s')}</td>"
             f"<td>{escape(_when(row.latest and row.latest['submitted_at']))}</td><td>{action}</td></tr>")
@@ -348,8 +379,10 @@ def class_page(rows: list[StudentRow], *, service: AssessService, prefix: str, c
         f"{len(rows)} students. Signed in as {escape(instructor)}. <a href=\"{escape(csv_url)}\">Download CSV</a> "
         f"{_regrade_form(regrade_url, xsrf, {'all': '1'}, 'Regrade all')}</p>{note}"
         f"<table><thead><tr>{''.join(headings)}<th></th></tr></thead><tbody>{''.join(body_rows)}</tbody></table>"
-        f'<p class="muted">Best: a pass before a fail, a timeout, an error; the fastest pass, else the most accurate '
-        f"run. Held-out accuracy and wall time are the best run's. Regrade queues the student's latest submitted "
+        f'<p class="muted">Best: a pass before a fail, a timeout, an error; the pass with the shortest time to '
+        f"accuracy (when the grader saw the first snapshot at the target), else the most accurate run. The board "
+        f"ranks passes by that time; each curve is the best pass's held-out accuracy per snapshot, as the grader "
+        f"measured it (the dashed line is the target). Held-out accuracy and wall time are the best run's. Regrade queues the student's latest submitted "
         f"script again, like any job; it is not counted as an attempt.</p>")
     return page(f"Class: {track.name}", body)
 

@@ -289,6 +289,12 @@ class AssessmentHandler(ServiceHandler):
         self.finish(job)
 
 
+class BoardHandler(ServiceHandler):
+    async def get(self):
+        student = self.student
+        self.finish(await self.blocking(self.service.board, student))
+
+
 def make_app(service: AssessService, prefix: str, cookie_secret: bytes) -> web.Application:
     from . import classpage
 
@@ -299,6 +305,7 @@ def make_app(service: AssessService, prefix: str, cookie_secret: bytes) -> web.A
         (url_path_join(api, "service"), ServiceInfoHandler),
         (url_path_join(api, "assessments"), AssessmentsHandler),
         (url_path_join(api, r"assessments/([0-9]+)"), AssessmentHandler),
+        (url_path_join(api, "board"), BoardHandler),
         *classpage.routes(prefix),
     ], default_handler_class=NotFoundHandler, cookie_secret=cookie_secret,
         **{SERVICE_SETTINGS_KEY: service, SERVICE_PREFIX_KEY: prefix})
