@@ -50,7 +50,8 @@ export OMPI_MCA_mpi_yield_when_idle ?= 1
 # Large allreduces under --mpi use the segmented ring (source_code/scalelab/openmpi-collective-rules.conf says why).
 export OMPI_MCA_coll_tuned_use_dynamic_rules ?= 1
 export OMPI_MCA_coll_tuned_dynamic_rules_filename ?= $(CURDIR)/source_code/scalelab/openmpi-collective-rules.conf
-PYTEST_ARGS ?=
+# The slowest tests are listed at the end, so that what CI's time goes to is on record.
+PYTEST_ARGS ?= --durations=30
 
 .PHONY: setup lab test hub doctor release autograde bench image-cpu clean
 
