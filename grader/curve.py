@@ -116,7 +116,6 @@ class LiveCurve:
         self._waiting.put(None)
         self._thread.join(AFTER_RUN_S + SNAPSHOT_TIMEOUT_S + 10)
 
-
     def abandon(self) -> None:
         """Stop measuring (the grading is over, or failed): nothing more is started; the thread ends by itself."""
         self._stop_by = 0.0
