@@ -15,7 +15,8 @@
 #
 # Under podman the build runs with runc when it is installed (crun refuses a cgroup v1/hybrid host), with the host's
 # hard limits on open files and processes (podman's defaults can exceed them: "setrlimit ...: Operation not
-# permitted") and on the host's network, as apt and pip on the host reach their mirrors.
+# permitted") and on the host's network, as apt and pip on the host reach their mirrors,
+# and with this machine's Horovod wheel cache mounted (no compiling when `make setup` already did).
 set -euo pipefail
 
 # podman's default limits can exceed the host's hard ones; the host's open files, and as many processes as podman's
@@ -89,6 +90,11 @@ if [ -n "${IMAGE_CA_BUNDLE:-}" ] && [ ! -f "$ca_bundle" ]; then fail "IMAGE_CA_B
 if [ -f "$ca_bundle" ]; then
     build+=(--volume "$(readlink -f "$ca_bundle"):/etc/ssl/certs/ca-certificates.crt:ro")
 fi
+# The Horovod wheels `make setup` compiled on this machine: the build installs a matching one instead of compiling
+# for minutes (setup.sh compiles anyway when it does not load in the image), and keeps what it compiles there.
+wheel_cache="$(dirname "${SCALELAB_BOOTSTRAP_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/scalelab/bootstrap}")/horovod-wheels"
+mkdir -p "$wheel_cache"
+build+=(--volume "$(readlink -f "$wheel_cache"):/root/.cache/scalelab/horovod-wheels")
 if [ -n "${IMAGE_BASE:-}" ]; then
     podman image exists "$IMAGE_BASE" || fail "IMAGE_BASE=$IMAGE_BASE is not an image podman has" \
         "(containers/debian-base.sh $IMAGE_BASE makes a Debian 12 one)"

@@ -4,7 +4,7 @@
 # Used by `make setup`, by CI and by both container images: the one install path of the project.
 #
 #   containers/setup.sh [--venv DIR] [--gpu] [--hub] [--system-python] [--framework-from-base] [--skip-apt]
-#                       [--choose-python] [--choose-installer]
+#                       [--dependencies-only] [--choose-python] [--choose-installer]
 #
 #   --venv DIR          where the virtual environment goes (default: .venv in the project root)
 #   --hub               the environment of a class server (`make hub`): the course installed as a copy rather than in
@@ -17,6 +17,9 @@
 #                       Horovod exactly), install only what the course runs with from Debian/Ubuntu, and the course
 #                       with the rest of the pins, no extra
 #   --skip-apt          do not check or install Debian packages
+#   --dependencies-only  everything but the course itself: Debian packages, TensorFlow, Horovod and the pins of
+#                       pyproject.toml (needs pyproject.toml only: an image installs these in a layer of their own,
+#                       which its engine rebuilds only when the pins or this script change, not when the course does)
 #   --choose-python     only choose the interpreter: print which and why, exit 0 (1 with the reason when none works)
 #   --choose-installer  only say whether the pinned packages would be installed with uv or pip, and why
 #
@@ -40,6 +43,7 @@ use_venv=1
 framework_source=build
 do_apt=1
 hub=0
+dependencies_only=0
 only=""
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -49,6 +53,7 @@ while [ $# -gt 0 ]; do
         --system-python) use_venv=0; shift ;;
         --framework-from-base) framework_source=base; shift ;;
         --skip-apt) do_apt=0; shift ;;
+        --dependencies-only) dependencies_only=1; shift ;;
         --choose-python) only=python; shift ;;
         --choose-installer) only=installer; shift ;;
         *) echo "setup.sh: unknown option '$1'" >&2; exit 2 ;;
@@ -512,7 +517,9 @@ if [ "$framework_source" = build ]; then
     # below, which tells a patched build from a plain one (pip still takes it for the horovod==X.Y.Z pin).
     horovod_build="$horovod_version+scalelab.1"
     # The built wheel is kept, keyed by everything it was compiled against, so that a second venv on this machine
-    # (the hub's under /opt next to .venv) installs it in seconds instead of compiling for minutes.
+    # (the hub's under /opt next to .venv), or an image podman builds here, installs it in seconds instead of
+    # compiling for minutes. A kept wheel whose TensorFlow ops do not load here (built on another system) is removed
+    # and Horovod compiled.
     horovod_wheels="$(dirname "$bootstrap_dir")/horovod-wheels/$flavour-${tensorflow_pin//[^[:alnum:].=_-]/_}-$(
         cat "$project_root"/containers/patches/horovod-"$horovod_version"-*.patch | sha256sum | cut -c1-16)"
     python_tag="$("$python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
@@ -521,7 +528,20 @@ if [ "$framework_source" = build ]; then
         if [ -n "$horovod_wheel" ]; then
             say "Installing Horovod $horovod_build built earlier on this machine ($horovod_wheel)"
             "${pip[@]}" install -q --no-deps "$horovod_wheel"
-        else
+            if ! loading="$(TF_CPP_MIN_LOG_LEVEL=2 "$python" - 2>&1 <<'PY'
+# Horovod's TensorFlow ops, loaded as Horovod loads them (its Python dependencies are not installed yet).
+import importlib.util, pathlib, sysconfig
+import tensorflow as tf
+package = pathlib.Path(importlib.util.find_spec("horovod").submodule_search_locations[0])
+tf.load_op_library(str(package / "tensorflow" / ("mpi_lib" + sysconfig.get_config_var("EXT_SUFFIX"))))
+PY
+)"; then
+                say "That wheel does not load here ($(tail -n 1 <<<"$loading")): compiling Horovod instead"
+                "${pip[@]}" uninstall -q -y horovod
+                horovod_wheel=""
+            fi
+        fi
+        if [ -z "$horovod_wheel" ]; then
             say "Building Horovod $horovod_build against TensorFlow with Gloo and MPI (a few minutes)"
             horovod_source="$(mktemp -d)"
             trap 'rm -rf "$horovod_source"' EXIT
@@ -547,19 +567,40 @@ if [ "$framework_source" = build ]; then
     fi
 fi
 
-say "Installing the course and its pinned dependencies"
-if [ "$hub" = 1 ]; then
-    # A copy, rebuilt every time (pip always rebuilds a project given by its directory; uv needs telling): the
-    # version number does not change when the course's code does.
-    refresh=()
-    if [ "$installer" = uv ]; then refresh=(--reinstall-package scalelab); fi
-    install_pinned ${refresh[@]+"${refresh[@]}"} "${project_root}[$flavour,test]"
-elif [ "$framework_source" = base ]; then
-    # No extra: the cpu and gpu extras would install a TensorFlow wheel over the base's.
-    install_pinned -e "${project_root}"
-    check_base_framework "$python" "installing the course left"
+if [ "$dependencies_only" = 1 ]; then
+    say "Installing the course's pinned dependencies (the course itself comes later)"
+    requirements="$(mktemp)"
+    "$python" - "$project_root/pyproject.toml" "$framework_source" "$flavour" > "$requirements" <<'PY'
+import sys
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the TOML reader pip brings
+    from pip._vendor import tomli as tomllib
+
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+extras = project["optional-dependencies"]
+# With the base's framework, no flavour extra: it would install a TensorFlow wheel over the base's.
+wanted = project["dependencies"] + (extras[sys.argv[3]] + extras["test"] if sys.argv[2] == "build" else [])
+print("\n".join(wanted))
+PY
+    install_pinned -r "$requirements"
+    rm -f "$requirements"
+    if [ "$framework_source" = base ]; then check_base_framework "$python" "installing the dependencies left"; fi
 else
-    install_pinned -e "${project_root}[$flavour,test]"
+    say "Installing the course and its pinned dependencies"
+    if [ "$hub" = 1 ]; then
+        # A copy, rebuilt every time (pip always rebuilds a project given by its directory; uv needs telling): the
+        # version number does not change when the course's code does.
+        refresh=()
+        if [ "$installer" = uv ]; then refresh=(--reinstall-package scalelab); fi
+        install_pinned ${refresh[@]+"${refresh[@]}"} "${project_root}[$flavour,test]"
+    elif [ "$framework_source" = base ]; then
+        # No extra: the cpu and gpu extras would install a TensorFlow wheel over the base's.
+        install_pinned -e "${project_root}"
+        check_base_framework "$python" "installing the course left"
+    else
+        install_pinned -e "${project_root}[$flavour,test]"
+    fi
 fi
 
 export TF_CPP_MIN_LOG_LEVEL=2

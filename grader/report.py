@@ -39,6 +39,19 @@ def _figure(value, form: str) -> str:
     return "—" if value is None else format(value, form)
 
 
+def heldout_curve_table(verdict: dict) -> list[str]:
+    """The models the run saved, as the grader measured them on the held-out split: what the verdict rests on."""
+    measured = [snapshot for snapshot in verdict.get("snapshots") or [] if snapshot.get("heldout_accuracy") is not None]
+    if not measured:
+        return []
+    lines = ["", "## Held-out accuracy the grader measured", "",
+             "| snapshot | saved at (s) | held-out accuracy |", "|---|---|---|"]
+    for snapshot in measured[-200:]:
+        deciding = " (decided the verdict)" if snapshot["index"] == verdict.get("deciding_snapshot") else ""
+        lines.append(f"| {snapshot['index']}{deciding} | {snapshot['at_s']:.1f} | {snapshot['heldout_accuracy']:.4f} |")
+    return lines
+
+
 def feedback_markdown(verdict: dict) -> str:
     """One student's feedback: verdict, reasons, accuracy vs target, time vs budget and their epoch curve."""
     lines = [f"# Assessment feedback: {verdict.get('student') or 'submission'}", "",
@@ -46,7 +59,8 @@ def feedback_markdown(verdict: dict) -> str:
              "", "| | yours | required |", "|---|---|---|",
              f"| held-out accuracy (measured by the grader) | {_figure(verdict.get('heldout_accuracy'), '.4f')} "
              f"| ≥ {_figure(verdict.get('target_accuracy'), '.4f')} |",
-             f"| wall time, launch to exit | {_figure(verdict.get('wall_time_s'), '.1f')} s "
+             f"| wall time, launch to exit | {_figure(verdict.get('wall_time_s'), '.1f')} s | — |",
+             f"| time to accuracy (the grader's clock) | {_figure(verdict.get('time_to_accuracy_s'), '.1f')} s "
              f"| ≤ {_figure(verdict.get('time_budget_s'), '.0f')} s |",
              f"| ranks seen allreducing | {len(verdict.get('ranks_seen') or [])} | {verdict.get('np')} |",
              "", "## Why", ""]
@@ -57,6 +71,7 @@ def feedback_markdown(verdict: dict) -> str:
             lines += ["", "  ```", *("  " + line for line in rest), "  ```"]
     for note in verdict.get("notes") or []:
         lines.append(f"- Note: {note}")
+    lines += heldout_curve_table(verdict)
     logs_dir = verdict.get("logs_dir")
     curve = epoch_curve(Path(logs_dir) / "rank-0.log") if logs_dir else []
     if curve:

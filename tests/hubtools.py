@@ -37,7 +37,7 @@ TEST_TRACKS = SUBMISSIONS / "tracks.toml"
 TEST_TRACK = "fashion-mnist-test"
 # A syntax error fails in seconds without a launch; the other keeps a job running for a minute, then fails.
 FAST_SUBMISSION = SUBMISSIONS / "service" / "syntax_error_fast.py"
-SLEEPING_SUBMISSION = SUBMISSIONS / "service" / "sleeps_a_minute.py"
+SLEEPING_SUBMISSION = SUBMISSIONS / "service" / "sleeps_then_fails.py"
 SERVICE_URL_PATH = "/services/scalelab/"
 FINAL_JOB_STATES = ("done", "interrupted")
 
@@ -73,6 +73,13 @@ def processes_of(uid: int) -> list[psutil.Process]:
     return found
 
 
+def is_zombie(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def remove_account(name: str) -> None:
     """The account, its home and its processes (ended by pid), whatever state a failed test left them in."""
     try:
@@ -80,7 +87,8 @@ def remove_account(name: str) -> None:
     except KeyError:
         return
     for attempt in range(20):
-        left = processes_of(uid)
+        # A killed server stays a zombie until the Hub, its parent, polls it (every 30 s): it is dead already.
+        left = [process for process in processes_of(uid) if not is_zombie(process)]
         if not left:
             break
         for process in left:

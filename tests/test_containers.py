@@ -314,9 +314,19 @@ def course_steps(dockerfile: Path) -> list[tuple[str, str]]:
 def test_both_images_install_through_setup_sh_and_set_up_the_course_alike():
     runs = {flavour: [" ".join(arguments.split()) for keyword, arguments in instructions(path) if keyword == "RUN"]
             for flavour, path in DOCKERFILES.items()}
-    assert runs["cpu"][0] == "containers/setup.sh --system-python && rm -rf /root/.cache/pip /var/lib/apt/lists/*"
-    assert runs["gpu"][0] == ("containers/setup.sh --system-python --framework-from-base "
-                              "&& rm -rf /root/.cache/pip /var/lib/apt/lists/*")
+    # The dependencies in a layer that needs only the pins, then the course on them.
+    assert runs["cpu"][:2] == [
+        "containers/setup.sh --system-python --dependencies-only && rm -rf /root/.cache/pip /var/lib/apt/lists/*",
+        "containers/setup.sh --system-python --skip-apt && rm -rf /root/.cache/pip"]
+    assert runs["gpu"][:2] == [
+        "containers/setup.sh --system-python --framework-from-base --dependencies-only "
+        "&& rm -rf /root/.cache/pip /var/lib/apt/lists/*",
+        "containers/setup.sh --system-python --framework-from-base --skip-apt && rm -rf /root/.cache/pip"]
+    for flavour, path in DOCKERFILES.items():  # the course's sources come after the dependencies' layer
+        steps = instructions(path)
+        first_run = next(i for i, (keyword, _) in enumerate(steps) if keyword == "RUN")
+        before = [arguments.split()[0] for keyword, arguments in steps[:first_run] if keyword == "COPY"]
+        assert before == ["pyproject.toml", "containers/setup.sh", "containers/patches/"], (flavour, before)
     for flavour in DOCKERFILES:  # nothing installed around setup.sh
         assert not any(re.search(r"pip install|apt-get", run) for run in runs[flavour]), runs[flavour]
     assert copy_sources(DOCKERFILES["gpu"]) == copy_sources(DOCKERFILES["cpu"])
@@ -354,7 +364,7 @@ def engine_path(tmp_path: Path, **engines: str) -> str:
     """A PATH with the machine's basic tools and shims for the engines given (name → script body); no other engine."""
     shims = tmp_path / "shims"
     shims.mkdir(exist_ok=True)
-    for tool in ("bash", "sh", "env", "dirname", "sed", "head", "readlink", "cat", "make"):
+    for tool in ("bash", "sh", "env", "dirname", "sed", "head", "readlink", "cat", "make", "mkdir"):
         found = shutil.which(tool)
         if found and not (shims / tool).exists():
             (shims / tool).symlink_to(found)
@@ -402,5 +412,8 @@ def test_make_image_cpu_with_podman_builds_on_a_local_base_with_the_hosts_flags(
     command = " ".join(build)
     for expected in ("--from localhost/base", "-f containers/Dockerfile.cpu -t scalelab:cpu",
                      "--ignorefile containers/Dockerfile.cpu.dockerignore", "--network host",
-                     f"--volume {bundle}:/etc/ssl/certs/ca-certificates.crt:ro", "--ulimit nofile=", "--ulimit nproc="):
+                     f"--volume {bundle}:/etc/ssl/certs/ca-certificates.crt:ro", "--ulimit nofile=", "--ulimit nproc=",
+                     # the Horovod wheels `make setup` compiled on this machine (HOME is tmp_path here)
+                     f"--volume {tmp_path.resolve()}/.cache/scalelab/horovod-wheels:"
+                     "/root/.cache/scalelab/horovod-wheels"):
         assert expected in command, command

@@ -2,6 +2,7 @@
 in nbgrader's gradebook."""
 
 import csv
+import re
 import shutil
 import subprocess
 import sys
@@ -58,7 +59,9 @@ def test_grading_a_class_stores_csv_feedback_and_gradebook_and_resumes(tmp_path)
     assert "is empty" in rows["dave"]["reasons"]
 
     feedback = (tmp_path / "graded" / "bob" / "feedback.md").read_text()
-    assert "**Verdict: PASS**" in feedback and "| epoch | accuracy |" in feedback
+    # The grader's own measurements are always there; the run may be stopped at its target before it prints.
+    assert "**Verdict: PASS**" in feedback and "## Held-out accuracy the grader measured" in feedback
+    assert re.search(r"\| \d+ \(decided the verdict\) \| [0-9.]+ \| 0\.(7|8|9)\d+ \|", feedback), feedback
     assert "held-out accuracy" in (tmp_path / "graded" / "alice" / "feedback.md").read_text()
 
     gradebook = grading.NbgraderGradebook(tmp_path / "gradebook.db")
@@ -95,6 +98,21 @@ def test_feedback_shows_the_epoch_curve_rank_0_printed(tmp_path):
                "reasons": ["held-out accuracy 0.4100 is below the target 0.5000"], "notes": [],
                "logs_dir": str(logs)}
     text = report.feedback_markdown(verdict)
+    assert "Held-out accuracy the grader measured" not in text  # no snapshot was measured
     assert "| epoch | accuracy | loss | val_accuracy |" in text
     assert "| 2 | 0.6000 | 1.1000 | 0.5500 |" in text
     assert "- held-out accuracy 0.4100 is below the target" in text
+
+
+def test_feedback_shows_the_held_out_curve_the_grader_measured_and_the_deciding_snapshot():
+    verdict = {"verdict": "pass", "student": "erin", "track": "t", "np": 2, "heldout_accuracy": 0.71,
+               "target_accuracy": 0.7, "wall_time_s": 31.0, "time_budget_s": 60, "time_to_accuracy_s": 24.5,
+               "ranks_seen": [0, 1], "reasons": ["held-out accuracy 0.7100 ≥ target 0.7000"], "notes": [],
+               "deciding_snapshot": 2,
+               "snapshots": [{"index": 1, "at_s": 12.25, "heldout_accuracy": 0.52},
+                             {"index": 2, "at_s": 24.5, "heldout_accuracy": 0.71},
+                             {"index": 3, "at_s": 30.0, "heldout_accuracy": None}]}
+    text = report.feedback_markdown(verdict)
+    assert "| time to accuracy (the grader's clock) | 24.5 s | ≤ 60 s |" in text
+    assert "| 1 | 12.2 | 0.5200 |\n| 2 (decided the verdict) | 24.5 | 0.7100 |" in text
+    assert "| 3 |" not in text  # not measured: not shown as if it were
