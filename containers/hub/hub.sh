@@ -228,7 +228,36 @@ mv "$HUB_VENV/etc/jupyter/nbgrader_config.py.new" "$HUB_VENV/etc/jupyter/nbgrade
 instructor_tools_lab=(@jupyter/nbgrader:formgrader @jupyter/nbgrader:create-assignment @jupyter/nbgrader:course-list)
 instructor_tools_server=(nbgrader.server_extensions.formgrader nbgrader.server_extensions.course_list)
 instructors_config="$HUB_VENV/etc/jupyter-instructors"
-(
+# Each jupyter command takes seconds to start: they run only when the files they write say otherwise.
+tools_already_off() {
+    "$HUB_VENV/bin/python" -I - "$HUB_VENV/etc/jupyter" "$instructors_config" "${instructor_tools_lab[*]}" \
+        "${instructor_tools_server[*]}" <<'PY'
+import json
+import sys
+from pathlib import Path
+
+shared, instructors = Path(sys.argv[1]), Path(sys.argv[2])
+lab_tools, server_tools = sys.argv[3].split(), sys.argv[4].split()
+
+def read(path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+page = read(shared / "labconfig" / "page_config.json")
+off = all(page.get(key, {}).get(tool) is True
+          for tool in lab_tools for key in ("disabledExtensions", "lockedExtensions"))
+off = off and all(read(shared / "jupyter_server_config.d" / f"{tool}.json").get("ServerApp", {})
+                  .get("jpserver_extensions", {}).get(tool) is False for tool in server_tools)
+on_for_instructors = read(instructors / "labconfig" / "page_config.json") == {
+    "disabledExtensions": {tool: False for tool in lab_tools}} and read(
+    instructors / "jupyter_server_config.d" / "scalelab-instructors.json") == {
+    "ServerApp": {"jpserver_extensions": {tool: True for tool in server_tools}}}
+sys.exit(0 if off and on_for_instructors else 1)
+PY
+}
+tools_already_off || (
     umask 022
     "$HUB_VENV/bin/jupyter" labextension disable --level=sys_prefix "${instructor_tools_lab[@]}" >/dev/null 2>&1 &&
     "$HUB_VENV/bin/jupyter" labextension lock --level=sys_prefix "${instructor_tools_lab[@]}" >/dev/null 2>&1 &&
