@@ -31,7 +31,7 @@ import psutil
 from scalelab import data as course_data
 from scalelab.environment import openmpi_settings
 
-from . import contention, snapshots, verify
+from . import cgroups, contention, snapshots, verify
 from . import sandbox as sandbox_module
 from . import witness
 from .ranklogs import LOG_CAP_BYTES, RankLogDemux
@@ -39,6 +39,9 @@ from .ranklogs import LOG_CAP_BYTES, RankLogDemux
 # Limits for the submission's processes (per job); generous enough for TensorFlow's thread pools, since Linux
 # counts threads towards RLIMIT_NPROC.
 NPROC_LIMIT = 1024
+# All the run's processes together (a cgroup; only where the grader is root and the machine lets it make one). The
+# course's runs use about 1 GiB a rank; a track may set its own (memory_limit_gib).
+MEMORY_LIMIT_BYTES = 8 * 1024**3
 FILE_SIZE_LIMIT_BYTES = 1 << 30
 KILL_AFTER_TERM_S = 5.0
 PROGRESS_INTERVAL_S = 2.0
@@ -76,6 +79,7 @@ class JobSpec:
     hidden_paths: list[Path] = dataclasses.field(default_factory=list)
     device_paths: list[Path] = dataclasses.field(default_factory=list)
     nproc_limit: int = NPROC_LIMIT
+    memory_limit_bytes: int = MEMORY_LIMIT_BYTES
     file_size_limit_bytes: int = FILE_SIZE_LIMIT_BYTES
     log_cap_bytes: int = LOG_CAP_BYTES
     # Where the grader keeps the versions of the model the run saves while it goes (None: not collected).
@@ -99,6 +103,8 @@ class RunResult:
     ``snapshot_notes`` what the grader skipped of them. ``stopped_at_target`` means the grader stopped the run
     because a snapshot had reached the target (then ``timed_out`` is False and ``exit_code`` is the stop's).
     ``reported_accuracy`` is the last validation accuracy the run printed (its own claim: for the reasons only).
+    ``memory_limit_bytes`` is the memory limit the run had (None: none of its own) and ``out_of_memory_kills`` how
+    many of its processes the kernel killed at that limit.
     """
 
     exit_code: int | None
@@ -120,6 +126,8 @@ class RunResult:
     snapshot_notes: list = dataclasses.field(default_factory=list)
     stopped_at_target: bool = False
     reported_accuracy: float | None = None
+    memory_limit_bytes: int | None = None
+    out_of_memory_kills: int = 0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -178,7 +186,8 @@ def stage_training_data(dataset: str, job_dir: Path) -> tuple[str, Path]:
 
 def prepare_job(submission: Path, job_dir: Path, *, dataset: str, track_name: str, np: int, launcher: str,
                 launcher_options, time_budget_s: float, grace_s: float, logs_dir: Path,
-                hidden_paths, sandbox: bool = True, snapshots_dir: Path | None = None) -> JobSpec:
+                hidden_paths, sandbox: bool = True, snapshots_dir: Path | None = None,
+                memory_limit_bytes: int = MEMORY_LIMIT_BYTES) -> JobSpec:
     """Make the job directory (assessment.py, output/, data/ with the training split) and its JobSpec;
     ``snapshots_dir``: where the grader keeps the models the run saves while it goes (None: not kept)."""
     job_dir.mkdir(parents=True, exist_ok=False)
@@ -223,7 +232,8 @@ def prepare_job(submission: Path, job_dir: Path, *, dataset: str, track_name: st
     return JobSpec(job_dir=job_dir, command=horovod_command(np, launcher, launcher_options),
                    env=env, np=np, time_budget_s=time_budget_s, grace_s=grace_s, logs_dir=logs_dir,
                    output_dir=output_dir, sandbox=sandbox, sandbox_uid=sandbox_uid,
-                   hidden_paths=[Path(p) for p in hidden_paths], device_paths=devices, snapshots_dir=snapshots_dir)
+                   hidden_paths=[Path(p) for p in hidden_paths], device_paths=devices, snapshots_dir=snapshots_dir,
+                   memory_limit_bytes=memory_limit_bytes)
 
 
 def sandbox_argv(job: JobSpec, private_dir: Path, binds=()) -> list[str]:
@@ -246,8 +256,9 @@ def sandbox_argv(job: JobSpec, private_dir: Path, binds=()) -> list[str]:
 # Running and watching
 # ---------------------------------------------------------------------------------------------------------------
 
-def _limit_resources(job: JobSpec) -> Callable[[], None]:
+def _limit_resources(job: JobSpec, groups: cgroups.SandboxCgroups) -> Callable[[], None]:
     def apply() -> None:
+        groups.join()
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         resource.setrlimit(resource.RLIMIT_FSIZE, (job.file_size_limit_bytes, job.file_size_limit_bytes))
         if job.sandbox_uid is not None:
@@ -369,18 +380,24 @@ def _kill(processes: list[psutil.Process]) -> int:
 
 def run_local(job: JobSpec, on_progress: Callable[[dict], None] | None = None,
               on_snapshot: Callable[[dict], None] | None = None,
-              target_reached: Callable[[], bool] | None = None) -> RunResult:
+              target_reached: Callable[[], bool] | None = None, memory_cgroup: bool = True) -> RunResult:
     """Run the job on this machine: own session, budget + grace then SIGTERM, SIGKILL; no survivors.
     ``on_snapshot`` gets each snapshot the grader takes of the run's model; once ``target_reached()`` says so, the
-    run is stopped as at the budget (SIGTERM, then SIGKILL), and ``stopped_at_target`` is set."""
+    run is stopped as at the budget (SIGTERM, then SIGKILL), and ``stopped_at_target`` is set. As root the run
+    gets a memory cgroup of its own unless ``memory_cgroup`` is False (a batch system's allocation limits it)."""
     private_dir = Path(tempfile.mkdtemp(prefix="scalelab-run-"))
+    # A memory limit of the run's own takes root (the grader's uid drop): the same condition as a sandbox uid.
+    groups = cgroups.SandboxCgroups("scalelab-run", job.memory_limit_bytes,
+                                    enabled=memory_cgroup and job.sandbox_uid is not None)
     try:
-        return _run_local(job, on_progress, private_dir, on_snapshot, target_reached)
+        return _run_local(job, on_progress, private_dir, groups, on_snapshot, target_reached)
     finally:
+        groups.remove()
         shutil.rmtree(private_dir, ignore_errors=True)
 
 
-def _run_local(job: JobSpec, on_progress, private_dir: Path, on_snapshot=None, target_reached=None) -> RunResult:
+def _run_local(job: JobSpec, on_progress, private_dir: Path, groups: cgroups.SandboxCgroups, on_snapshot=None,
+               target_reached=None) -> RunResult:
     timeline = witness.TimelineStream(private_dir)
     timeline.allow(job.sandbox_uid)
     command_inside = {str(witness.TIMELINE_INSIDE): str(timeline.path)}
@@ -404,7 +421,7 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path, on_snapshot=None, t
     try:
         leader = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   env=job.env if not job.sandbox else {"PATH": "/usr/bin:/bin"},
-                                  cwd=job.job_dir, start_new_session=True, preexec_fn=_limit_resources(job))
+                                  cwd=job.job_dir, start_new_session=True, preexec_fn=_limit_resources(job, groups))
     except OSError as error:
         demux.close()
         timeline.stop()
@@ -473,4 +490,6 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path, on_snapshot=None, t
                      loopback_bytes=watch.loopback_bytes, cpu_contention=cpu_contention.as_dict(),
                      snapshots=[snapshot.as_dict() for snapshot in collector.snapshots] if collector else [],
                      snapshot_notes=list(collector.notes) if collector else [],
-                     stopped_at_target=stopped_at_target, reported_accuracy=demux.latest_accuracy)
+                     stopped_at_target=stopped_at_target, reported_accuracy=demux.latest_accuracy,
+                     memory_limit_bytes=job.memory_limit_bytes if groups.memory is not None else None,
+                     out_of_memory_kills=groups.out_of_memory_kills())

@@ -76,6 +76,17 @@ def _rank_failure_reasons(run: launch.RunResult, job_dir: Path) -> list[str]:
     return reasons
 
 
+def _say_memory_ran_out(verdict: dict, run: launch.RunResult) -> None:
+    """The kernel killed processes of the run at its memory limit: the first reason when the run did not pass."""
+    sentence = (f"the run reached its memory limit ({run.memory_limit_bytes / 1024**3:.1f} GiB for all ranks "
+                f"together) and the kernel killed {run.out_of_memory_kills} of its processes: use less memory "
+                f"(smaller batches, no copies of the whole data set per rank).")
+    if verdict["verdict"] == "pass":
+        verdict["notes"].append(sentence)
+    else:
+        verdict["reasons"].insert(0, sentence)
+
+
 def _preprocessing_cause(model: verify.ModelCheck, track: spec.Track) -> str | None:
     """Why a model below the target is there, when preprocessing alone explains it (None otherwise)."""
     tried = model.accuracy_with_preprocessing or {}
@@ -267,7 +278,8 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
         job = launch.prepare_job(Path(submission_path), job_dir, dataset=track.dataset, track_name=track.name,
                                  np=np, launcher=track.launcher, launcher_options=track.launcher_options,
                                  time_budget_s=track.time_budget_s, grace_s=track.grace_s, logs_dir=logs_dir,
-                                 hidden_paths=hidden, sandbox=sandbox, snapshots_dir=out_dir / "snapshots")
+                                 hidden_paths=hidden, sandbox=sandbox, snapshots_dir=out_dir / "snapshots",
+                                 memory_limit_bytes=int(track.memory_limit_gib * 1024**3))
         verdict["sandbox_uid"] = job.sandbox_uid
         heldout = verify.HeldoutProcess(track.dataset, sandboxed=sandbox, explain_below=track.target_accuracy)
         heldout.start_ahead()  # imports TensorFlow at idle priority while the run goes on
@@ -318,6 +330,8 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
         verdict["stopped_at_target"] = run.stopped_at_target
         verdict["notes"] += run.snapshot_notes + live.notes
         decide(verdict, track, run, model, timeline, traffic, job.job_dir, list(measured.values()), deciding)
+        if run.out_of_memory_kills:
+            _say_memory_ran_out(verdict, run)
         if run.loopback_bytes is None and verdict["verdict"] != "timeout":
             verdict["notes"].append("the ranks' traffic was not measured (it is counted on the sandbox's own "
                                     "network, and this run had no sandbox).")

@@ -7,7 +7,9 @@ A sandbox shows what a Python + Open MPI + TensorFlow program needs and nothing 
 - a few files of ``/etc`` (the loader's cache, Open MPI's settings, the alternatives links) and generated
   ``passwd``, ``group`` and ``hosts`` that name no account or address of the host;
 - the Python installation, the venv and the course library, read-only;
-- a private ``/tmp``, ``/dev/shm`` and ``/run``; a loopback-only network; its own host name, PID and IPC space;
+- a private ``/tmp``, ``/dev/shm`` and ``/run``, each a tmpfs of bounded size (:data:`TMPFS_SIZES`: a tmpfs lives
+  in memory, and without a size it may take half of it); a loopback-only network; its own host name, PID and IPC
+  space;
 - what the caller binds in (:class:`Bind`): the job directory for a run, the model and the held-out split for
   the measurement.
 
@@ -44,6 +46,9 @@ ETC_ENTRIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "ho
                "timezone", "protocols", "services", "alternatives", "openmpi", "ssl", "ca-certificates",
                "os-release", "debian_version")
 SYSTEM_DIRECTORIES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# The sandbox's own writable directories, in memory. Enough for what the course's programs put there (Open MPI's
+# shared-memory segments, caches under HOME=/tmp); a program that fills one gets ENOSPC, not the machine's RAM.
+TMPFS_SIZES = {"/tmp": 1024 * 1024**2, "/dev/shm": 512 * 1024**2, "/run": 16 * 1024**2}
 
 
 class SandboxError(RuntimeError):
@@ -99,9 +104,10 @@ def _system_binds() -> list[str]:
             argv += ["--symlink", os.readlink(path), name]
         elif path.is_dir():
             argv += ["--ro-bind", name, name]
-    argv += ["--ro-bind", "/sys", "/sys", "--proc", "/proc", "--dev", "/dev",
-             "--perms", "1777", "--tmpfs", "/tmp", "--perms", "1777", "--tmpfs", "/dev/shm", "--tmpfs", "/run",
-             "--perms", "0755", "--dir", "/etc"]
+    argv += ["--ro-bind", "/sys", "/sys", "--proc", "/proc", "--dev", "/dev"]
+    for path, size in TMPFS_SIZES.items():
+        argv += (["--perms", "1777"] if path != "/run" else []) + ["--size", str(size), "--tmpfs", path]
+    argv += ["--perms", "0755", "--dir", "/etc"]
     for name in ETC_ENTRIES:
         path = Path("/etc") / name
         if path.exists():

@@ -97,7 +97,9 @@ def main(argv: list[str]) -> int:
     store.write_json_atomic(control / STARTED_FILE, {"node": socket.gethostname(),
                                                     "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                                                     "started_at": launch.utc_now()})
-    run = launch.run_local(job, on_progress=lambda state: store.write_json_atomic(control / PROGRESS_FILE, state))
+    # No cgroup of our own: it would take the run out of Slurm's, whose --mem limit and tracking are the cluster's.
+    run = launch.run_local(job, on_progress=lambda state: store.write_json_atomic(control / PROGRESS_FILE, state),
+                           memory_cgroup=False)
     store.write_json_atomic(control / RESULT_FILE, {"run": run.as_dict(), "cancelled": cancelled.is_set(),
                                                    "node": socket.gethostname()})
     return 0

@@ -48,6 +48,7 @@ class Track:
     launcher: str = "gloo"           # horovodrun --gloo or --mpi
     launcher_options: tuple[str, ...] = ()   # more horovodrun arguments, e.g. ("--cycle-time-ms", "1")
     min_spread_deciles: int = 8      # allreduces must happen in at least this many tenths of the training
+    memory_limit_gib: float = 8.0    # all the run's processes together (where the grader is root)
     description: str = ""
     calibration: dict = dataclasses.field(default_factory=dict)  # the figures the track was calibrated with
 
@@ -116,6 +117,8 @@ def _track_from_table(name: str, table: dict, source: Path) -> Track:
     if not 0 < track.target_accuracy <= 1 or track.time_budget_s <= 0 or track.grace_s < 0:
         raise SpecError(f"{source}: track {name!r}: target_accuracy must be in (0, 1], time_budget_s positive "
                         f"and grace_s not negative")
+    if not track.memory_limit_gib > 0:
+        raise SpecError(f"{source}: track {name!r}: memory_limit_gib must be positive")
     if not 0 <= track.min_spread_deciles <= 10:
         raise SpecError(f"{source}: track {name!r}: min_spread_deciles must be between 0 and 10")
     return track

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import leftover_processes, subprocess_env
-from scalelab.grader import launch, spec, store
+from scalelab.grader import launch, sandbox, spec, store
 
 SUBMISSIONS = Path(__file__).parent / "submissions"
 TEST_TRACKS = SUBMISSIONS / "tracks.toml"
@@ -107,6 +107,28 @@ def test_output_flood_is_capped_per_log(tmp_path):
         assert "log capped at" in log.read_text()[-200:]
     assert any("capped" in note for note in verdict["notes"])
     assert "no model was saved" in verdict["reasons"][0]
+
+
+def test_filling_dev_shm_is_refused_at_the_sandboxs_size_and_ends_with_a_verdict(tmp_path):
+    code, verdict, _ = assess(tmp_path, SUBMISSIONS / "fill_dev_shm.py")
+    assert (code, verdict["verdict"]) == (1, "fail")
+    # A rank may be stopped by horovodrun (the other one failed) before it prints: the ones that printed count.
+    reports = [line for rank in (0, 1) for line in rank_log(verdict, rank).splitlines() if line.startswith("wrote ")]
+    assert reports and all("refused with ENOSPC" in report for report in reports), reports
+    # Both ranks share the sandbox's /dev/shm: together they got no further than its size.
+    total = sum(int(report.split()[1]) for report in reports)
+    assert total <= sandbox.TMPFS_SIZES["/dev/shm"] // 1024**2, reports
+
+
+def test_a_run_over_its_memory_limit_is_stopped_by_the_kernel_and_told_why(tmp_path):
+    assert os.geteuid() == 0, "a run's memory limit is a cgroup the grader makes as root: run this test as root"
+    code, verdict, _ = assess(tmp_path, SUBMISSIONS / "memory_hog.py", track="fashion-mnist-small-memory")
+    assert (code, verdict["verdict"]) == (1, "fail")
+    assert verdict["reasons"][0].startswith("the run reached its memory limit (1.0 GiB for all ranks together)")
+    logs = [rank_log(verdict, rank) for rank in (0, 1)]
+    assert not any("never stopped" in log for log in logs), logs
+    held = [int(line.split()[1]) for log in logs for line in log.splitlines() if line.startswith("holding")]
+    assert max(held) <= 1024, held
 
 
 def test_process_spawning_hits_the_process_limit_and_leaves_no_survivors(tmp_path):

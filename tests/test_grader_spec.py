@@ -62,6 +62,8 @@ def test_all_gpus_track_on_a_machine_without_gpus_says_so():
     ("[tracks.x]\ndataset = 'cifar10'\nranks = 2\ntarget_accuracy = 0.5\ntime_budget_s = 10\nbudget = 3\n",
      "unknown keys"),
     ("[tracks.x\n", "not readable TOML"),
+    ("[tracks.x]\ndataset = 'cifar10'\nranks = 2\ntarget_accuracy = 0.5\ntime_budget_s = 10\nmemory_limit_gib = 0\n",
+     "memory_limit_gib must be positive"),
 ])
 def test_bad_track_files_are_refused_with_the_problem_named(tmp_path, body, message):
     track_file = tmp_path / "tracks.toml"
@@ -76,6 +78,8 @@ def test_test_tracks_load_with_their_launchers_and_a_short_hang_budget():
     assert tracks["fashion-mnist-test-mpi"].launcher == "mpi"
     # The hang test waits for the whole budget: its track must be the short one.
     assert tracks["fashion-mnist-hang"].time_budget_s < tracks["fashion-mnist-test"].time_budget_s / 4
+    assert tracks["fashion-mnist-small-memory"].memory_limit_gib == 1.0
+    assert tracks["fashion-mnist-test"].memory_limit_gib == 8.0  # the default
 
 
 # ---------------------------------------------------------------------------------------------------------------

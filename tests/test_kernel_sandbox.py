@@ -19,6 +19,7 @@ from nbclient.exceptions import DeadKernelError
 from nbformat.v4 import new_code_cell, new_notebook
 
 from conftest import PROJECT_ROOT
+from scalelab.grader import cgroups
 from scalelab.grader.nbgrading import kernel_sandbox
 from scalelab.grader.nbgrading.sandboxed_execute import SandboxedKernelManager
 from scalelab.grader.sandbox import SANDBOX_UID_RANGE
@@ -131,7 +132,7 @@ def test_a_cell_that_forks_in_a_loop_is_stopped_and_leaves_nothing(folder):
 
 
 def test_a_notebook_over_its_memory_is_stopped(folder):
-    assert kernel_sandbox.KernelCgroups.available(), "this machine lets root make a memory cgroup"
+    assert cgroups.SandboxCgroups.available(), "this machine lets root make a memory cgroup"
     with pytest.raises(DeadKernelError):
         run_notebook(folder, ["hog = b'x' * (2 * 1024**3)", "print('survived')"],
                      memory_limit_bytes=400 * 1024**2)

@@ -43,6 +43,7 @@ import psutil
 
 from scalelab import environment
 from scalelab.grader import sandbox as sandbox_module
+from scalelab.grader.cgroups import SandboxCgroups
 
 # What a grading kernel keeps of its caller's environment (anything else, tokens and secrets included, is dropped).
 ALLOWED_NAMES = frozenset({"LANG", "LANGUAGE", "TZ", "NBGRADER_EXECUTION", "PYTHONHASHSEED", "MPLBACKEND",
@@ -57,9 +58,6 @@ DEFAULT_TIME_LIMIT_S = 1800
 # How long an interrupt may take to stop what the cell started before the whole kernel is stopped instead.
 INTERRUPT_GRACE_S = 5.0
 DEFAULT_MEMORY_LIMIT_BYTES = 6 * 1024**3
-CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
-CGROUP_V1_FREEZER = Path("/sys/fs/cgroup/freezer")
-CGROUP_V2 = Path("/sys/fs/cgroup")
 EXIT_TIME_LIMIT, EXIT_BAD_ARGUMENTS, EXIT_NO_SANDBOX = 124, 2, 3
 
 
@@ -138,88 +136,6 @@ def course_script_binds(passed: dict[str, str], for_sudo_caller: bool) -> list[s
     return [sandbox_module.Bind(script, script) for script in scripts]
 
 
-class KernelCgroups:
-    """Cgroups of the kernel's own, where root may make them here: memory (its limit) and freezer (an interrupt
-    stops everything in the sandbox at once, which no fork bomb can outrun). cgroup v1's controllers, else cgroup
-    v2's. Without a memory cgroup the kernel has no memory limit of its own, and the helper says so."""
-
-    def __init__(self, limit_bytes: int, enabled: bool):
-        self.memory: Path | None = None
-        self.freezer: Path | None = None
-        self.v2 = False
-        if not enabled:
-            return
-        name = f"scalelab-kernel-{os.getpid()}-{time.monotonic_ns()}"
-        if (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
-            self.memory = _make(CGROUP_V1_MEMORY / name, {"memory.limit_in_bytes": str(limit_bytes)})
-            if (CGROUP_V1_FREEZER / "tasks").exists():
-                self.freezer = _make(CGROUP_V1_FREEZER / name, {})
-        elif "memory" in _read(CGROUP_V2 / "cgroup.subtree_control").split():
-            self.memory = self.freezer = _make(CGROUP_V2 / name, {"memory.max": str(limit_bytes)})
-            self.v2 = True
-        if self.memory is None:
-            print("kernel_sandbox: no memory cgroup can be made here; the kernel runs without a memory limit of its "
-                  "own", file=sys.stderr)
-
-    @staticmethod
-    def available() -> bool:
-        return (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists() or \
-            "memory" in _read(CGROUP_V2 / "cgroup.subtree_control").split()
-
-    def join(self) -> None:
-        """Called in the child before it runs the sandbox: everything the kernel starts stays in the cgroups."""
-        for path in {self.memory, self.freezer} - {None}:
-            (path / "cgroup.procs").write_text(str(os.getpid()))
-
-    def freeze(self, frozen: bool) -> bool:
-        """Freeze (or thaw) every process of the sandbox; whether it took effect within a second."""
-        if self.freezer is None:
-            return False
-        try:
-            if self.v2:
-                (self.freezer / "cgroup.freeze").write_text("1" if frozen else "0")
-            else:
-                (self.freezer / "freezer.state").write_text("FROZEN" if frozen else "THAWED")
-        except OSError:
-            return False
-        for _ in range(100):
-            state = _read(self.freezer / ("cgroup.events" if self.v2 else "freezer.state"))
-            if (("frozen 1" in state) if self.v2 else ("FROZEN" in state)) == frozen:
-                return True
-            time.sleep(0.01)
-        return False
-
-    def pids(self) -> list[int]:
-        return [int(pid) for pid in _read(self.freezer / "cgroup.procs").split()] if self.freezer else []
-
-    def remove(self) -> None:
-        for path in {self.memory, self.freezer} - {None}:
-            for _ in range(50):
-                try:
-                    path.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
-
-
-def _make(path: Path, settings: dict[str, str]) -> Path | None:
-    try:
-        path.mkdir()
-        for name, value in settings.items():
-            (path / name).write_text(value)
-        return path
-    except OSError:
-        shutil.rmtree(path, ignore_errors=True)
-        return None
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
-
-
 def sandbox_processes(leader: int) -> list[psutil.Process]:
     try:
         return psutil.Process(leader).children(recursive=True)
@@ -269,7 +185,7 @@ def signal_every_process_of(uid: int, signum: int, rounds: int = 3) -> None:
     os.waitpid(child, 0)
 
 
-def signal_kernel(leader: int, signum: int, uid: int | None, cgroups: KernelCgroups) -> bool:
+def signal_kernel(leader: int, signum: int, uid: int | None, cgroups: SandboxCgroups) -> bool:
     """An interrupt reaches the kernel once everything else in the sandbox (what the interrupted cell started: a
     fork bomb, a stray server, their orphans) is killed, so that the kernel has the cores to answer it and no
     forked copy of it answers in its place. False when the kernel cannot be interrupted: it must be stopped."""
@@ -374,7 +290,7 @@ def empty_directory(fd: int) -> None:
             pass
 
 
-def read_commands(leader: subprocess.Popen, uid: int | None, cgroups: KernelCgroups, on_end) -> None:
+def read_commands(leader: subprocess.Popen, uid: int | None, cgroups: SandboxCgroups, on_end) -> None:
     """Signal numbers from standard input, one a line; the end of input (the caller gone) ends the kernel."""
     for line in sys.stdin:
         word = line.strip()
@@ -412,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     kernel_uid = sandbox_module.allocate_uid()
     private_dir = Path(tempfile.mkdtemp(prefix="scalelab-kernel-"))
     private_dir.chmod(0o755)
-    cgroups = KernelCgroups(arguments.memory_limit, enabled=kernel_uid is not None)
+    cgroups = SandboxCgroups("scalelab-kernel", arguments.memory_limit, enabled=kernel_uid is not None)
     work, sockets = Path(arguments.work), Path(arguments.sockets)
     binds = [sandbox_module.Bind(work, work, writable=True, fd=work_fd),
              sandbox_module.Bind(sockets, sockets, writable=True, fd=sockets_fd), *data_binds(passed, under_sudo),
