@@ -61,6 +61,13 @@ class SandboxCgroups:
         counts = dict(line.split()[:2] for line in events.splitlines() if len(line.split()) >= 2)
         return int(counts.get("oom_kill", "0"))
 
+    def peak_memory_bytes(self) -> int | None:
+        """The most memory the sandbox's processes used together (None: no memory cgroup, or not recorded here)."""
+        if self.memory is None:
+            return None
+        peak = _read(self.memory / ("memory.peak" if self.v2 else "memory.max_usage_in_bytes")).strip()
+        return int(peak) if peak.isdigit() else None
+
     def freeze(self, frozen: bool) -> bool:
         """Freeze (or thaw) every process of the sandbox; whether it took effect within a second."""
         if self.freezer is None:

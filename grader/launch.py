@@ -103,8 +103,9 @@ class RunResult:
     ``snapshot_notes`` what the grader skipped of them. ``stopped_at_target`` means the grader stopped the run
     because a snapshot had reached the target (then ``timed_out`` is False and ``exit_code`` is the stop's).
     ``reported_accuracy`` is the last validation accuracy the run printed (its own claim: for the reasons only).
-    ``memory_limit_bytes`` is the memory limit the run had (None: none of its own) and ``out_of_memory_kills`` how
-    many of its processes the kernel killed at that limit.
+    ``memory_limit_bytes`` is the memory limit the run had (None: none of its own), ``peak_memory_bytes`` the most
+    its processes used together (None: not measured) and ``out_of_memory_kills`` how many of its processes the
+    kernel killed at that limit.
     """
 
     exit_code: int | None
@@ -127,6 +128,7 @@ class RunResult:
     stopped_at_target: bool = False
     reported_accuracy: float | None = None
     memory_limit_bytes: int | None = None
+    peak_memory_bytes: int | None = None
     out_of_memory_kills: int = 0
 
     def as_dict(self) -> dict:
@@ -492,4 +494,4 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path, groups: cgroups.San
                      snapshot_notes=list(collector.notes) if collector else [],
                      stopped_at_target=stopped_at_target, reported_accuracy=demux.latest_accuracy,
                      memory_limit_bytes=job.memory_limit_bytes if groups.memory is not None else None,
-                     out_of_memory_kills=groups.out_of_memory_kills())
+                     peak_memory_bytes=groups.peak_memory_bytes(), out_of_memory_kills=groups.out_of_memory_kills())

@@ -321,6 +321,8 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
                        allreduced_tensors=timeline.allreduced_tensors, active_deciles=timeline.active_deciles,
                        witnesses=witness.figures(timeline, traffic, model.trainable_parameters))
         verdict["cpu_contention"] = run.cpu_contention
+        # What a track's memory_limit_gib is chosen from (None where the run had no memory cgroup).
+        verdict["memory"] = {"limit_bytes": run.memory_limit_bytes, "peak_bytes": run.peak_memory_bytes}
         # The models the run saved as it went, on the grader's clock (the grader's copies stay in out_dir).
         measured = {point["index"]: point for point in live.curve()}
         verdict["snapshots"] = [{**{key: snapshot[key] for key in ("index", "at_s", "bytes", "sha256")},

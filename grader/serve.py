@@ -79,7 +79,7 @@ VERDICT_FIELDS_FOR_STUDENTS = (
     "ranks_seen", "allreduce_count", "allreduced_tensors", "active_deciles", "trainable_variables", "epochs_seen",
     "exit_code", "track", "dataset", "submission_sha256", "student", "started_at", "finished_at", "backend",
     "sandboxed", "grader_version", "witnesses", "cpu_contention", "contended", "snapshots", "time_to_accuracy_s",
-    "deciding_snapshot", "stopped_at_target")
+    "deciding_snapshot", "stopped_at_target", "memory")
 PROGRESS_FIELDS_FOR_STUDENTS = ("state", "elapsed_s", "time_budget_s", "epochs_seen", "latest_accuracy",
                                 "checkpoint_mtime", "verdict", "slurm_job_id", "slurm_state", "slurm_reason",
                                 "queue_position", "heldout_curve")

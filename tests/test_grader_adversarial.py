@@ -51,6 +51,9 @@ def test_honest_submission_passes_with_evidence_from_both_ranks_over_mpi(tmp_pat
     assert verdict["heldout_accuracy"] >= verdict["target_accuracy"]
     assert verdict["wall_time_s"] <= verdict["time_budget_s"]
     assert verdict["sandboxed"] is True
+    # As root the run had a memory cgroup: its limit (the track's default) and the most it used.
+    assert verdict["memory"]["limit_bytes"] == 8 * 1024**3
+    assert 100 * 1024**2 < verdict["memory"]["peak_bytes"] < verdict["memory"]["limit_bytes"], verdict["memory"]
     assert json.loads((tmp_path / "out" / "progress.json").read_text())["state"] == "done"
     stored = store.ResultsDatabase(tmp_path / "home" / "results.db").latest(None, "fashion-mnist-test-mpi",
                                                                             verdict["submission_sha256"])
