@@ -25,7 +25,6 @@ class SandboxCgroups:
         self.memory: Path | None = None
         self.freezer: Path | None = None
         self.v2 = False
-        self.limit_bytes = limit_bytes
         if not enabled:
             return
         name = f"{prefix}-{os.getpid()}-{time.monotonic_ns()}"
