@@ -18,12 +18,13 @@ class UntrustedFile(Exception):
     """The file is missing or is not one the grader will read; the message says why, for the student."""
 
 
-def _open_beneath(root: Path, relative: str) -> int:
-    """A descriptor of ``root / relative`` opened component by component, following no link."""
+def _open_beneath(root: Path | int, relative: str) -> int:
+    """A descriptor of ``root / relative`` opened component by component, following no link (``root``: a path, or
+    a descriptor of the folder already open)."""
     parts = Path(relative).parts
     if not parts or Path(relative).is_absolute() or ".." in parts:
         raise ValueError(f"not a plain relative path: {relative!r}")
-    directory = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    directory = os.dup(root) if isinstance(root, int) else os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         for part in parts[:-1]:
             following = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=directory)
@@ -34,11 +35,11 @@ def _open_beneath(root: Path, relative: str) -> int:
         os.close(directory)
 
 
-def _checked_chunks(root: Path, relative: str, owner_uid: int | None, limit_bytes: int):
+def _checked_chunks(root: Path | int, relative: str, owner_uid: int | None, limit_bytes: int):
     """The content of ``root/relative`` in chunks, after the checks of :func:`read_regular_file`."""
     shown = relative
     try:
-        descriptor = _open_beneath(Path(root), relative)
+        descriptor = _open_beneath(root if isinstance(root, int) else Path(root), relative)
     except FileNotFoundError:
         raise UntrustedFile(f"{shown} does not exist") from None
     except NotADirectoryError:
@@ -72,9 +73,10 @@ def _checked_chunks(root: Path, relative: str, owner_uid: int | None, limit_byte
         os.close(descriptor)
 
 
-def read_regular_file(root: Path, relative: str, *, owner_uid: int | None, limit_bytes: int) -> bytes:
-    """The bytes of ``root/relative`` if it is a regular file (no link on the way) of at most ``limit_bytes``,
-    owned by ``owner_uid`` (None: any owner); else :class:`UntrustedFile` saying what is wrong."""
+def read_regular_file(root: Path | int, relative: str, *, owner_uid: int | None, limit_bytes: int) -> bytes:
+    """The bytes of ``root/relative`` (``root``: a path or an open folder's descriptor) if it is a regular file (no
+    link on the way) of at most ``limit_bytes``, owned by ``owner_uid`` (None: any owner); else
+    :class:`UntrustedFile` saying what is wrong."""
     return b"".join(_checked_chunks(root, relative, owner_uid, limit_bytes))
 
 

@@ -18,6 +18,10 @@ What the workers keep:
   grader's verdict says ``contended``; see ``contention.py``) is not the student's fault: the job goes back to the
   front of the queue the same way, within the same ``max_reruns``; past them it ends ``done`` with a verdict that
   says the machine was too busy (an ``error``, never a ``timeout``).
+- **Root's helper**: a server that is not root (the Hub's service) grades local jobs through ``assess_helper.py``
+  (``privileged_helper``: through sudo), so that each run gets a uid and limits of its own; the helper writes the
+  same files into the job directory as this account's. This account cannot signal it: the end of its standard
+  input (closed here, or by the kernel when the server dies) stops its grading.
 - **Progress** (``progress.json``, written by the grader: elapsed time vs budget, epochs seen, latest
   accuracy, checkpoint time) is copied to the job for display only; the verdict is always the grader's.
 - **Disk**: job directories and the files the service writes in them are private to the server's account
@@ -43,6 +47,8 @@ from pathlib import Path
 
 import psutil
 
+from . import store
+from .assess_helper import DATA_VARIABLES
 from .contention import busy_machine_sentence
 from .queue import ACTIVE_STATES, DONE, RERUN_MACHINE_BUSY, AssessQueue
 
@@ -84,6 +90,20 @@ def kill_process_tree(process: psutil.Process, grace_s: float = 5.0) -> None:
     psutil.wait_procs(alive, timeout=grace_s)
 
 
+def stop_grader(popen: subprocess.Popen) -> None:
+    """Stop a grader this server started: the end of its input stops root's helper, which this account cannot
+    signal; a grader of this account's own is stopped as a process tree."""
+    if popen.stdin is not None:
+        try:
+            popen.stdin.close()
+        except OSError:
+            pass
+    try:
+        kill_process_tree(psutil.Process(popen.pid))
+    except psutil.Error:
+        pass
+
+
 def read_json(path: Path) -> dict | None:
     try:
         return json.loads(Path(path).read_text())
@@ -113,6 +133,9 @@ class GraderSettings:
     command: list[str] = field(default_factory=default_scalelab_command)
     environment: dict[str, str] | None = None  # None: the server's own environment
     poll_interval_s: float = 1.0
+    # A server that is not root grades through root's helper (assess_helper.py), e.g. ["sudo", "-n", HELPER], so
+    # that each run gets a uid and limits of its own; local jobs only (Slurm gives runs their own).
+    privileged_helper: list[str] | None = None
 
 
 def submission_copy(job_dir: Path) -> Path:
@@ -259,10 +282,7 @@ class GradingWorkers:
         self.wake()
         for job_id, popen in running.items():
             self._settle_stopped(job_id)
-            try:
-                kill_process_tree(psutil.Process(popen.pid))
-            except psutil.Error:
-                pass
+            stop_grader(popen)
         for thread in self._threads:
             thread.join(timeout=10)
 
@@ -290,7 +310,16 @@ class GradingWorkers:
                     job, f"the Assess service could not run the grader: {type(error).__name__}: {error}"))
             self._tidy(job)
 
+    def uses_helper(self, job: dict) -> bool:
+        return bool(self.settings.privileged_helper) and job["backend"] == "local"
+
     def grader_argv(self, job: dict) -> list[str]:
+        if self.uses_helper(job):
+            argv = [*self.settings.privileged_helper, "--job", str(job["job_dir"]), "--track", job["track"]]
+            if self.settings.track_file:
+                argv += ["--track-file", str(self.settings.track_file)]
+            environment = os.environ if self.settings.environment is None else self.settings.environment
+            return argv + [f"--data={name}={environment[name]}" for name in DATA_VARIABLES if environment.get(name)]
         argv = [*self.settings.command, "assess", str(submission_copy(job["job_dir"])), "--track", job["track"],
                 "--json", "--out", str(grader_out_dir(job["job_dir"])), "--backend", job["backend"]]
         if self.settings.track_file:
@@ -312,18 +341,17 @@ class GradingWorkers:
                 open_private(job_dir / "grader.stderr", "wb") as stderr:
             # Own session: the grader and its horovodrun can be stopped as one tree, apart from the server.
             # Not in the job directory: it holds the student's file, and Python imports from the cwd.
-            popen = subprocess.Popen(self.grader_argv(job), stdin=subprocess.DEVNULL, stdout=stdout,
-                                     stderr=stderr, cwd="/", env=self.settings.environment,
+            # The helper grades as root, out of this account's reach: it stops its grader when its input ends.
+            popen = subprocess.Popen(self.grader_argv(job),
+                                     stdin=subprocess.PIPE if self.uses_helper(job) else subprocess.DEVNULL,
+                                     stdout=stdout, stderr=stderr, cwd="/", env=self.settings.environment,
                                      start_new_session=True)
         with self._running_lock:
             self._running[job["id"]] = popen
             stopped_meanwhile = self._stopping.is_set()
         if stopped_meanwhile:  # stop() ran between the claim and the start: it did not see this grader
             self._settle_stopped(job["id"])
-            try:
-                kill_process_tree(psutil.Process(popen.pid))
-            except psutil.Error:
-                pass
+            stop_grader(popen)
         try:
             try:
                 self.queue.set_grader_process(job["id"], popen.pid, psutil.Process(popen.pid).create_time())
@@ -333,9 +361,13 @@ class GradingWorkers:
         finally:
             with self._running_lock:
                 self._running.pop(job["id"], None)
+            if popen.stdin is not None:
+                popen.stdin.close()
         if self._stopping.is_set():
             return  # stop() has re-queued it (or marked it interrupted)
         verdict = read_json(grader_out_dir(job_dir) / "verdict.json")
+        if verdict is not None and self.uses_helper(job):
+            self._record(verdict)  # root's grader kept its results database in a folder of its own, now gone
         if verdict is None:  # only a refused command line (exit 2) or a crash before the grader started
             message = _last_line((job_dir / "grader.stderr").read_bytes()) or f"exit status {popen.returncode}"
             verdict = service_error_verdict(job, f"the grader refused the submission: {message}",
@@ -381,6 +413,13 @@ class GradingWorkers:
             if ended:
                 return
             time.sleep(self.settings.poll_interval_s)
+
+    def _record(self, verdict: dict) -> None:
+        """In this account's results database ($SCALELAB_HOME/results.db), as ``scalelab assess`` records it."""
+        try:
+            store.ResultsDatabase(None).record(verdict)
+        except Exception as error:  # the queue's database keeps the verdict regardless
+            self._say(f"could not record a verdict in the results database: {type(error).__name__}: {error}")
 
     def _tidy(self, job: dict) -> None:
         """Once a job has ended: its model stays only with a stored pass; then the student's retention."""

@@ -7,6 +7,7 @@ whatever happened). Submissions are the fast ones of tests/submissions on the sh
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pwd
 import re
@@ -24,9 +25,9 @@ import psutil
 import pytest
 import requests
 
-from hubtools import FAST_SUBMISSION, SLEEPING_SUBMISSION, free_port, run, running_hub
+from hubtools import FAST_SUBMISSION, SLEEPING_SUBMISSION, SUBMISSIONS, free_port, run, running_hub
 
-from scalelab.grader import panel
+from scalelab.grader import assess_helper, launch, panel, sandbox
 from scalelab.grader.pipeline import SUBMISSION_SIZE_LIMIT_BYTES
 from scalelab.grader.serve import JOB_FIELDS_FOR_STUDENTS, VERDICT_FIELDS_FOR_STUDENTS
 
@@ -219,7 +220,6 @@ def test_a_graded_run_cannot_read_the_service_state_and_its_verdict_still_arrive
     absent = [state / "results.db", state / "assess" / "queue.db", state / "assess" / "jobs",
               state / "data" / "fashion-mnist" / "t10k-labels-idx1-ubyte.gz", state / "cookie_secret",
               state / "logs" / "service.log", state / "runs", hub.homes[other], pwd.getpwnam("scalelab").pw_dir]
-    # The run's own job directory lies in the state (state/jobs/<id>): the sandbox shows only the path to it.
     source = textwrap.dedent(f"""
         import os
         found = []
@@ -231,8 +231,10 @@ def test_a_graded_run_cannot_read_the_service_state_and_its_verdict_still_arrive
                 else:
                     open(path, "rb").close()
                     found.append("SEEN")
+            except FileNotFoundError:
+                found.append("ABSENT")
             except OSError as error:
-                found.append("ABSENT " + type(error).__name__)
+                found.append(type(error).__name__)
         raise RuntimeError("peek: " + "; ".join(found))
         """)
     answer = hub.submit(student, source)
@@ -243,11 +245,63 @@ def test_a_graded_run_cannot_read_the_service_state_and_its_verdict_still_arrive
     reasons = "\n".join(verdict["reasons"])
     peeked = re.search(r"RuntimeError: peek: (.*)", reasons)
     assert peeked, reasons
-    assert peeked.group(1).split("; ") == ["DIR ['jobs']", "OWN JOB"] + ["ABSENT FileNotFoundError"] * len(absent)
+    # Graded as root by the helper, the run's job directory is a copy in root's private folder: not even the path
+    # to the state is shown.
+    assert peeked.group(1).split("; ") == ["ABSENT"] * (2 + len(absent))
     # The paths are real: the service's account keeps its queue, results and data there.
     for path in absent[:6]:
         assert path.exists(), path
     assert (state / "results.db").stat().st_mtime >= time.time() - 600  # this very verdict was stored there
+
+
+def test_a_run_that_takes_processes_and_memory_has_a_uid_and_limits_of_its_own_and_the_service_stays(hub):
+    student, scalelab = hub.students["A"], pwd.getpwnam("scalelab")
+    [service] = hub.service_processes()
+    source = (SUBMISSIONS / "service" / "crowds_the_machine.py").read_text()
+    answer = hub.submit(student, source)
+    assert answer.status_code == 201, answer.text
+    # Who the run's processes are, seen from outside while they live (the submission holds them 5 s).
+    owners, done = set(), threading.Event()
+
+    def watch():
+        while not done.is_set():
+            for process in psutil.process_iter(["cmdline", "uids"]):
+                if process.info["cmdline"] == ["sleep", "3142"] and process.info["uids"]:
+                    owners.add(process.info["uids"].real)
+            time.sleep(0.2)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        job = hub.wait_for_job(student, answer.json()["job"]["id"])
+    finally:
+        done.set()
+        watcher.join()
+    assert job["state"] == "done" and job["verdict"]["verdict"] == "fail", job
+    assert owners and all(uid in sandbox.SANDBOX_UID_RANGE for uid in owners), owners
+    assert scalelab.pw_uid not in owners
+    [job_dir] = [path.parent for path in (hub.state / "assess" / "jobs").glob("*/assessment.py")
+                 if path.read_text() == source]
+    # What root's helper copied back is the service's: the verdict, and the rank logs its class page reads.
+    stored = json.loads((job_dir / "grader" / "verdict.json").read_text())
+    assert stored["sandbox_uid"] in owners
+    assert stored["memory"]["limit_bytes"] == 8 * 1024**3 and stored["memory"]["peak_bytes"] > 0, stored["memory"]
+    assert stored["logs_dir"] == str(job_dir / "grader" / "logs")
+    logs = [Path(stored["logs_dir"]) / f"rank-{rank}.log" for rank in (0, 1)]
+    assert all(log.stat().st_uid == scalelab.pw_uid for log in logs)
+    lines = [line for log in logs for line in log.read_text().splitlines()]
+    spawned = [line for line in lines if line.startswith("spawned ")]
+    assert spawned and all("then refused" in line and int(line.split()[1]) < launch.NPROC_LIMIT
+                           for line in spawned), spawned
+    wrote = [line for line in lines if line.startswith("wrote ")]
+    assert wrote and all("refused with ENOSPC" in line for line in wrote), wrote
+    assert sum(int(line.split()[1]) for line in wrote) <= sandbox.TMPFS_SIZES["/dev/shm"] // 1024**2, wrote
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "3142"]]
+    # The service was never in reach: the same process answers.
+    assert [process.pid for process in hub.service_processes()] == [service.pid]
+    assert hub.api("GET", "service", hub.tokens[student]).status_code == 200
+    # Only the service's account may run the helper as root.
+    tried = run("runuser", "-u", student, "--", "sudo", "-n", "/usr/local/sbin/scalelab-assess", "--help", cwd="/")
+    assert tried.returncode != 0 and "password is required" in tried.stderr, tried
 
 
 # --- the Assess panel in a Hub user's kernel ------------------------------------------------------------------------
@@ -321,14 +375,22 @@ def test_killing_the_service_the_hub_restarts_it_and_the_running_job_is_graded_a
     assert queued.status_code == 201 and queued.json()["job"]["state"] == "queued", queued.text
     [service] = hub.service_processes()
     deadline = time.monotonic() + 60
-    while not (graders := [process for process in psutil.process_iter(["cmdline"])
-                           if "assess" in (process.info["cmdline"] or [])
-                           and str(hub.state) in " ".join(process.info["cmdline"])]):
+    # Root's helper, which the service runs through sudo for the job, and the grader it started.
+    while not (helpers := [process for process in psutil.process_iter(["cmdline"])
+                           if "scalelab.grader.assess_helper" in (process.info["cmdline"] or [])
+                           and str(hub.state) in " ".join(process.info["cmdline"])]) \
+            or not (graders := [child for child in helpers[0].children(recursive=True)
+                                if "assess" in child.cmdline()]):
         assert time.monotonic() < deadline, "the running job's grader was not found"
         time.sleep(0.5)
-    assert not any(name.startswith("JUPYTERHUB_") for name in graders[0].environ()), "the Hub's token leaked"
+    for process in (helpers[0], graders[0]):
+        assert process.uids().real == 0
+        assert not any(name.startswith("JUPYTERHUB_") for name in process.environ()), "the Hub's token leaked"
     service.kill()
     service.wait(timeout=30)
+    # The service gone, its end of the helper's input closed: the helper stops the grading.
+    _gone, alive = psutil.wait_procs(helpers + graders, timeout=assess_helper.STOP_GRACE_S + 15)
+    assert not alive, alive
 
     # Until the Hub has started it again, the panel says so in a sentence.
     kernel_of(hub, hub.students["C"])

@@ -311,6 +311,22 @@ chmod 0440 "$kernel_rule.new"
 visudo -cqf "$kernel_rule.new" || fail $EXIT_FAILED "visudo refused the rule for $kernel_helper."
 mv "$kernel_rule.new" "$kernel_rule"
 
+# The grader service's account is not root, and only root can give a graded run a uid, a process limit and a
+# memory cgroup of its own: the account scalelab may run exactly this helper as root, nothing else
+# (scalelab.grader.assess_helper reads nothing for it that scalelab could not read itself).
+assess_helper=/usr/local/sbin/scalelab-assess
+assess_rule=/etc/sudoers.d/scalelab-assess
+printf '#!/bin/sh\n# Installed by ScaleLab'"'"'s make hub: the grader service'"'"'s runs with uids of their own (see %s).\nexec %s -I -m scalelab.grader.assess_helper "$@"\n' \
+    "$assess_rule" "$HUB_VENV/bin/python" > "$assess_helper.new"
+chown root:root "$assess_helper.new"
+chmod 0755 "$assess_helper.new"
+mv "$assess_helper.new" "$assess_helper"
+printf '# Installed by ScaleLab'"'"'s make hub: the grader service grades each run as root, without a password.\nscalelab ALL=(root) NOPASSWD: %s\n' \
+    "$assess_helper" > "$assess_rule.new"
+chmod 0440 "$assess_rule.new"
+visudo -cqf "$assess_rule.new" || fail $EXIT_FAILED "visudo refused the rule for $assess_helper."
+mv "$assess_rule.new" "$assess_rule"
+
 # The instructor's material in the checkout is no student's business: solutions (lab 3's worked conversion too),
 # hidden tests, the gradebook.
 for private in labs/source assessment/solution labs/gradebook.db labs/submitted labs/autograded labs/feedback \

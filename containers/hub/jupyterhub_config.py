@@ -195,6 +195,8 @@ assess_service = register_assess_service(
               "tracks_file": os.environ.get("SCALELAB_TRACKS", str(course / "tracks.toml"))},
     environment={name: os.environ[name] for name in ("SCALELAB_CIFAR10_DIR", "SCALELAB_FASHION_MNIST_DIR")
                  if os.environ.get(name)},
+    # hub.sh installs it: each graded run as a uid with limits of its own (grader/assess_helper.py).
+    privileged_helper="/usr/local/sbin/scalelab-assess" if os.path.exists("/usr/local/sbin/scalelab-assess") else None,
 )
 # --- end of ScaleLab's grader service ------------------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ import psutil
 
 from scalelab import environment
 from scalelab.grader import sandbox as sandbox_module
+from scalelab.grader.caller import Refused, caller_uid, open_callers_directory
 from scalelab.grader.cgroups import SandboxCgroups
 
 # What a grading kernel keeps of its caller's environment (anything else, tokens and secrets included, is dropped).
@@ -73,29 +74,6 @@ def kernel_environment(passed: dict[str, str]) -> dict[str, str]:
     return {**allowed_environment(passed), "PATH": f"{scripts}:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp",
             "USER": "scalelab-job", "IPYTHONDIR": "/tmp/.ipython", "MPLCONFIGDIR": "/tmp/.matplotlib",
             "PYTHONDONTWRITEBYTECODE": "1"}
-
-
-def caller_uid() -> int:
-    """Whose request this is: sudo's caller when sudo started the helper, else whoever runs it."""
-    if os.geteuid() == 0 and os.environ.get("SUDO_UID", "").isdigit():
-        return int(os.environ["SUDO_UID"])
-    return os.getuid()
-
-
-class Refused(Exception):
-    """An argument the helper will not act on; the message says why."""
-
-
-def open_callers_directory(path: str, uid: int) -> int:
-    """An fd on ``path``, a directory (not a link) that belongs to ``uid``; the sandbox shows that fd."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as error:
-        raise Refused(f"{path}: not a directory of yours ({error.strerror})") from None
-    if os.fstat(fd).st_uid != uid:
-        os.close(fd)
-        raise Refused(f"{path} does not belong to the caller (uid {uid})")
-    return fd
 
 
 def readable_by_everyone(path: Path) -> bool:

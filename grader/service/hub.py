@@ -24,10 +24,14 @@ Its state (queue database, results database, job directories, logs, the staged d
 splits) lives in one directory, ``/var/lib/scalelab`` unless ``$SCALELAB_SERVICE_STATE`` or ``--state-dir`` says
 otherwise, private to the service's account (0700). Graded runs never see it: every run is started by the grader
 in its bubblewrap allow-list sandbox (``sandbox.py``), which shows the system, the software, the run's own job
-directory and a private ``/tmp`` and nothing else of the machine. Run by ``scalelab`` (not root), bubblewrap puts
-the run in a user namespace of its own, as ``scalelab`` but with no capability, no way out of its mount, PID and
-network namespaces, and so no path to the state. The service refuses to start where that cannot hold: a state
-directory inside the software the sandbox shows, or ``allow_unsandboxed``.
+directory and a private ``/tmp`` and nothing else of the machine. The service is not root, so it grades through
+root's helper (``--privileged-helper``, ``grader/assess_helper.py``; ``make hub`` installs it and lets only this
+account run it through sudo): each run gets a throw-away uid, a process limit on that uid and a memory cgroup,
+cannot signal or read the service, and the service still gets the verdict, logs and model, as its own files.
+Without the helper a run is ``scalelab`` in a user namespace (no capability, no way out of its mount, PID and
+network namespaces) but without those limits. The service refuses to start where that cannot hold: a state
+directory inside the software the sandbox shows, ``allow_unsandboxed``, or a helper it was given that sudo does
+not let it run.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import re
 import secrets
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -81,12 +86,14 @@ class ServiceRefused(Exception):
 # --- the Hub's side ---------------------------------------------------------------------------------------------
 
 def register(c, *, python: str, port: int, public_url: str, state_dir: str = DEFAULT_STATE_DIR,
-             settings: dict | None = None, environment: dict | None = None, user: str = SERVICE_USER) -> dict:
+             settings: dict | None = None, environment: dict | None = None, user: str = SERVICE_USER,
+             privileged_helper: str | None = None) -> dict:
     """Add the managed service ``scalelab`` to a JupyterHub config ``c``; returns the service's entry.
 
     ``python`` runs the service (an interpreter ``user`` can run, with this package and JupyterHub); ``port`` is
     where it listens on 127.0.0.1; ``public_url`` is the Hub's address as kernels reach it (the proxy, e.g.
-    ``http://127.0.0.1:8000/``); ``settings`` are ``AssessService`` traits (``{"track": ..., "slots": 1}``).
+    ``http://127.0.0.1:8000/``); ``settings`` are ``AssessService`` traits (``{"track": ..., "slots": 1}``);
+    ``privileged_helper``: root's helper that ``user`` may run through sudo (``HubAssessService.privileged_helper``).
     Every user may use the service, and single-user servers' tokens carry that permission, so the Assess panel
     in a kernel can call it with ``$JUPYTERHUB_API_TOKEN``. The service may list the Hub's users and their
     groups (its class page shows the students who have not submitted yet).
@@ -95,6 +102,8 @@ def register(c, *, python: str, port: int, public_url: str, state_dir: str = DEF
     _create_state_dir(Path(state_dir), user)
     command = [python, "-m", "scalelab.grader.service.hub", f"--state-dir={state_dir}"]
     command += [f"--AssessService.{name}={value}" for name, value in (settings or {}).items()]
+    if privileged_helper:
+        command.append(f"--privileged-helper={privileged_helper}")
     entry = {
         "name": SERVICE_NAME,
         "url": f"http://127.0.0.1:{port}",
@@ -320,6 +329,21 @@ def _cookie_secret(state: Path) -> bytes:
     return path.read_bytes()
 
 
+def helper_command(helper: str) -> list[str]:
+    """How the service runs root's helper; refused unless sudo lets this account run it without a password."""
+    command = ["sudo", "-n", helper]
+    try:
+        allowed = subprocess.run(["sudo", "-n", "-l", helper], stdin=subprocess.DEVNULL, capture_output=True,
+                                 timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        allowed = False
+    if not allowed:
+        raise ServiceRefused(f"sudo does not let the account {SERVICE_USER} run {helper} without a password: run "
+                             f"`make hub` (containers/hub/hub.sh) as root again, which installs the helper and its "
+                             f"rule in /etc/sudoers.d, or drop --privileged-helper.")
+    return command
+
+
 # --- the process ------------------------------------------------------------------------------------------------
 
 class HubAssessService(Application):
@@ -328,10 +352,15 @@ class HubAssessService(Application):
     name = "scalelab-hub-service"
     description = __doc__
     classes = [AssessService]
-    aliases = {"state-dir": "HubAssessService.state_dir"}
+    aliases = {"state-dir": "HubAssessService.state_dir", "privileged-helper": "HubAssessService.privileged_helper"}
 
     state_dir = Unicode(config=True, help=f"The service's state, private to its account. Default: "
                                           f"${STATE_DIR_VARIABLE}, else {DEFAULT_STATE_DIR}.")
+
+    privileged_helper = Unicode("", config=True, help=(
+        "Root's helper that grades each local job with a uid and limits of its own (grader/assess_helper.py), "
+        "run through `sudo -n`; make hub installs it as /usr/local/sbin/scalelab-assess. Empty: runs are this "
+        "account in a user namespace, without a process or memory limit."))
 
     @default("state_dir")
     def _state_dir_default(self):
@@ -359,6 +388,11 @@ class HubAssessService(Application):
         if staged is not None:
             os.environ[staged[0]] = str(staged[1])
         service.workers.settings.environment = grader_environment()
+        if self.privileged_helper:
+            service.workers.settings.privileged_helper = helper_command(self.privileged_helper)
+        else:
+            self.log.warning("scalelab hub service: no privileged helper: graded runs are this account in a user "
+                             "namespace, with no process or memory limit of their own.")
         service.workers.server_name = "the course's grader service"
         problem = sandbox.sandbox_works()
         if problem:
