@@ -238,9 +238,11 @@ c.JupyterHub.load_roles.append({{"name": "scalelab-tests", "services": ["scalela
 class RunningHub:
     """A Hub of `make hub` with the grader service on the test track; names by role (``students["A"]``)."""
 
-    def __init__(self, url: str, state: Path, log: Path, admin_token: str, nbgrader_home: Path):
+    def __init__(self, url: str, state: Path, log: Path, admin_token: str, nbgrader_home: Path,
+                 service_url: str | None = None):
         self.url, self.state, self.log, self.nbgrader_home = url, state, log, nbgrader_home
-        self.service_url = f"{url}{SERVICE_URL_PATH}"
+        self.service_url = service_url or f"{url}{SERVICE_URL_PATH}"
+        self.proxy_api_url = self.hub_state = None
         self.admin_token = admin_token
         self.students: dict[str, str] = {}
         self.instructors: dict[str, str] = {}
@@ -305,9 +307,10 @@ class RunningHub:
 
 
 @contextlib.contextmanager
-def running_hub(student_roles=("A", "B"), instructor_roles=()):
+def running_hub(student_roles=("A", "B"), instructor_roles=(), origin: dict | None = None):
     """`make hub` on free ports with the grader service graded on the test track, students and instructors with
-    random names logged in once and given an API token each; everything removed afterwards, whatever happened."""
+    random names logged in once and given an API token each; everything removed afterwards, whatever happened.
+    ``origin``: make hub's HUB_DOMAIN, HUB_TLS_CERT and HUB_TLS_KEY, for one origin per user over HTTPS."""
     if os.geteuid() != 0:
         pytest.fail("the hub tests create system accounts and run JupyterHub as root: run them as root (CI does)")
     # Every account must reach the service's state directory's parent and the track file: not pytest's (root's).
@@ -322,15 +325,22 @@ def running_hub(student_roles=("A", "B"), instructor_roles=()):
     (config_d / "50-scalelab-tests.py").write_text(ADMIN_SERVICE_CONFIG.format(token=admin_token))
     nbgrader_home = scratch / "nbgrader"
     nbgrader_home.mkdir(mode=0o755)
-    port = free_port()
+    port, proxy_api_port = free_port(), free_port()
     state, log_path = scratch / "service-state", scratch / "make-hub.log"
     environment = {**os.environ, "SCALELAB_SERVICE_STATE": str(state), "SCALELAB_TRACK": TEST_TRACK,
                    "SCALELAB_TRACKS": str(tracks), "SCALELAB_SERVICE_PORT": str(free_port())}
     names: list[str] = []
     server = start_make_hub(log_path, [
-        f"HUB_PORT={port}", f"HUB_PROXY_API_PORT={free_port()}", f"HUB_INTERNAL_PORT={free_port()}",
-        f"HUB_STATE={scratch / 'hub-state'}", f"HUB_NBGRADER={nbgrader_home}", f"HUB_CONFIG_D={config_d}"], environment)
-    hub = RunningHub(f"http://127.0.0.1:{port}", state, log_path, admin_token, nbgrader_home)
+        f"HUB_PORT={port}", f"HUB_PROXY_API_PORT={proxy_api_port}", f"HUB_INTERNAL_PORT={free_port()}",
+        f"HUB_STATE={scratch / 'hub-state'}", f"HUB_NBGRADER={nbgrader_home}", f"HUB_CONFIG_D={config_d}",
+        *(f"{name}={value}" for name, value in (origin or {}).items())], environment)
+    if origin:  # the Hub at https://DOMAIN, the grader service at a name of its own under it
+        domain = origin["HUB_DOMAIN"]
+        hub = RunningHub(f"https://{domain}:{port}", state, log_path, admin_token, nbgrader_home,
+                         service_url=f"https://scalelab--service.{domain}:{port}{SERVICE_URL_PATH}")
+    else:
+        hub = RunningHub(f"http://127.0.0.1:{port}", state, log_path, admin_token, nbgrader_home)
+    hub.proxy_api_url, hub.hub_state = f"http://127.0.0.1:{proxy_api_port}", scratch / "hub-state"
     try:
         wait_until_answers(f"{hub.url}/hub/api/", server, log_path, 1500)
         for roles, role_name, found in ((student_roles, "student", hub.students),

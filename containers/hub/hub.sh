@@ -6,6 +6,10 @@
 #                                               so that the hub tests download nothing)
 #
 #   HUB_IP (127.0.0.1), HUB_PORT (8000)          where students connect
+#   HUB_DOMAIN, HUB_TLS_CERT, HUB_TLS_KEY        a class beyond this machine: one origin per user over HTTPS, the
+#                                                Hub at https://HUB_DOMAIN, each user at https://<user>.HUB_DOMAIN;
+#                                                a certificate for HUB_DOMAIN and *.HUB_DOMAIN, and its key. Needed
+#                                                for any HUB_IP but the loopback (grader/classroom/hub_origin.py)
 #   HUB_PROXY_API_PORT, HUB_INTERNAL_PORT        on 127.0.0.1: the proxy's API (HUB_PORT+1), the Hub (HUB_PORT+81)
 #   SCALELAB_SERVICE_PORT                        on 127.0.0.1: the grader service (HUB_PORT+82)
 #   HUB_VENV (/opt/scalelab/venv)                the environment every account runs: the stack, JupyterHub, the
@@ -18,8 +22,9 @@
 #   HUB_CONFIG_D (/etc/scalelab/hub.d)           the site's own additions to the Hub's config: every *.py there,
 #                                                in name order, loaded last (containers/hub/sites/ has examples)
 #
-# Exit codes: 0 the Hub stopped normally; 1 an install step failed; 2 a port setting is not a number; 3 a port is
-# in use; 4 not root.
+# Exit codes: 0 the Hub stopped normally; 1 an install step failed; 2 a setting is wrong (a port that is not a
+# number; a class beyond the loopback without one origin per user, or its name or certificate); 3 a port is in use;
+# 4 not root.
 set -euo pipefail
 
 install_only=0
@@ -58,6 +63,9 @@ if ! [[ "$HUB_NBGRADER" =~ ^/[A-Za-z0-9._/-]+$ ]]; then
     fail $EXIT_BAD_SETTING "HUB_NBGRADER=$HUB_NBGRADER is not an absolute path of letters, digits, '.', '_', '-'" \
         "and '/'."
 fi
+
+# A class beyond the loopback only with one origin per user: the sentence says what to set.
+HUB_IP="$HUB_IP" HUB_PORT="$HUB_PORT" python3 "$project_root/grader/classroom/hub_origin.py" || exit $EXIT_BAD_SETTING
 
 if [ "$(id -u)" != 0 ]; then
     fail $EXIT_NOT_ROOT "the Hub must run as root (it logs students in with PAM and starts each one's server as" \
@@ -348,9 +356,15 @@ if [ "$install_only" = 1 ]; then
     say "Everything make hub needs is installed"
     exit 0
 fi
-say "JupyterHub on http://$HUB_IP:$HUB_PORT (state in $HUB_STATE; Ctrl-C stops it and the students' servers)"
+if [ -n "${HUB_DOMAIN:-}" ]; then
+    hub_url="https://$HUB_DOMAIN:$HUB_PORT (each user at https://<user>.$HUB_DOMAIN:$HUB_PORT)"
+else
+    hub_url="http://$HUB_IP:$HUB_PORT (one origin for all: one trusted machine only)"
+fi
+say "JupyterHub on $hub_url, state in $HUB_STATE; Ctrl-C stops it and the students' servers"
 cd "$HUB_STATE"
 export HUB_IP HUB_PORT HUB_PROXY_API_PORT HUB_INTERNAL_PORT SCALELAB_SERVICE_PORT
+export HUB_DOMAIN="${HUB_DOMAIN:-}" HUB_TLS_CERT="${HUB_TLS_CERT:-}" HUB_TLS_KEY="${HUB_TLS_KEY:-}"
 export SCALELAB_TRACKS="${SCALELAB_TRACKS:-$HUB_COURSE/tracks.toml}"
 export SCALELAB_HUB_VENV="$HUB_VENV" SCALELAB_COURSE="$HUB_COURSE" SCALELAB_HUB_STATE="$HUB_STATE"
 export SCALELAB_HUB_CONFIG_D="$HUB_CONFIG_D" SCALELAB_HUB_NBGRADER="$HUB_NBGRADER"

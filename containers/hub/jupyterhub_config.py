@@ -5,6 +5,9 @@ add-student`) and each gets JupyterLab as their own uid, from the shared venv, o
 cgroups of its own.
 
   HUB_IP, HUB_PORT            where the Hub answers (127.0.0.1:8000)
+  HUB_DOMAIN, HUB_TLS_CERT, HUB_TLS_KEY
+                              one origin per user over HTTPS (grader/classroom/hub_origin.py): needed beyond the
+                              loopback, refused without
   HUB_PROXY_API_PORT          the proxy's REST API on 127.0.0.1 (HUB_PORT + 1)
   HUB_INTERNAL_PORT           the Hub itself on 127.0.0.1, behind the proxy (HUB_PORT + 81)
   SCALELAB_HUB_STATE          the Hub's database, cookie secret and proxy token; root only (/var/lib/scalelab-hub)
@@ -25,6 +28,7 @@ from jupyterhub.spawner import LocalProcessSpawner
 
 from scalelab.grader.classroom import server_limits
 from scalelab.grader.classroom.accounts import HUB_INSTRUCTORS_GROUP, ROLE_GROUPS, in_group
+from scalelab.grader.classroom.hub_origin import HubOrigin
 from scalelab.grader.service.site_fragments import UntrustedFragment, trusted_fragments
 
 c = get_config()  # noqa: F821 — provided by JupyterHub when it loads this file
@@ -65,6 +69,14 @@ c.JupyterHub.load_roles.append({"name": "scalelab-class", "services": ["scalelab
 
 c.JupyterHub.ip = hub_ip
 c.JupyterHub.port = hub_port
+# One origin for all on the loopback (one trusted machine), else one per user over HTTPS; a class beyond the
+# loopback on one origin is refused here too, for a Hub started without hub.sh.
+origin = HubOrigin.from_environment(os.environ)
+origin.check()
+if origin.per_user:
+    c.JupyterHub.subdomain_host = origin.subdomain_host
+    c.JupyterHub.ssl_cert, c.JupyterHub.ssl_key = origin.tls_cert, origin.tls_key
+    c.JupyterHub.cookie_host_prefix_enabled = True  # no subdomain can set or shadow the Hub's cookies
 c.JupyterHub.hub_ip = "127.0.0.1"
 c.JupyterHub.hub_port = internal_port
 c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{proxy_api_port}"
@@ -99,6 +111,8 @@ student_server_limits = server_limits.ServerLimits.from_environment()
 
 class LimitedLocalProcessSpawner(LocalProcessSpawner):
     async def start(self):
+        # A student's own Jupyter config (~/.jupyter) could make their server answer anything, to anyone.
+        self.disable_user_config = not in_group(self.user.name, ROLE_GROUPS["instructor"])
         address = await super().start()
         try:
             server_limits.confine(self.user.name, self.pid, student_server_limits)
@@ -185,11 +199,16 @@ c.Spawner.pre_spawn_hook = prepare_home
 # 127.0.0.1 (HUB_PORT + 82). SCALELAB_TRACK / SCALELAB_TRACKS: the track students are graded on, and its file.
 from scalelab.grader.service.hub import register as register_assess_service  # noqa: E402
 
+service_port = int(os.environ.get("SCALELAB_SERVICE_PORT", hub_port + 82))
+
 assess_service = register_assess_service(
     c,
     python=str(venv / "bin" / "python"),
-    port=int(os.environ.get("SCALELAB_SERVICE_PORT", hub_port + 82)),
-    public_url=f"http://{'127.0.0.1' if hub_ip in ('', '0.0.0.0', '::') else hub_ip}:{hub_port}/",
+    port=service_port,
+    # Kernels reach it on this machine: through the proxy on one origin, else at its own address (a kernel needs
+    # neither the class's DNS name nor its certificate).
+    public_url=(f"http://127.0.0.1:{service_port}/" if origin.per_user
+                else f"http://{'127.0.0.1' if hub_ip in ('', '0.0.0.0', '::') else hub_ip}:{hub_port}/"),
     state_dir=os.environ.get("SCALELAB_SERVICE_STATE", "/var/lib/scalelab"),
     settings={"track": os.environ.get("SCALELAB_TRACK", "cifar10-cpu"),
               "tracks_file": os.environ.get("SCALELAB_TRACKS", str(course / "tracks.toml"))},
