@@ -254,6 +254,22 @@ def test_a_graded_run_cannot_read_the_service_state_and_its_verdict_still_arrive
     assert (state / "results.db").stat().st_mtime >= time.time() - 600  # this very verdict was stored there
 
 
+def test_an_honest_submission_passes_with_the_held_out_accuracy_measured_and_its_model_kept(hub):
+    student, scalelab = hub.students["B"], pwd.getpwnam("scalelab")
+    source = (SUBMISSIONS / "honest_small.py").read_text()
+    answer = hub.submit(student, source)
+    assert answer.status_code == 201, answer.text
+    verdict = hub.wait_for_job(student, answer.json()["job"]["id"])["verdict"]
+    assert verdict["verdict"] == "pass", verdict["reasons"]
+    assert verdict["heldout_accuracy"] >= verdict["target_accuracy"]
+    [job_dir] = [path.parent for path in (hub.state / "assess" / "jobs").glob("*/assessment.py")
+                 if path.read_text() == source]
+    model = job_dir / "grader" / "model.keras"
+    assert model.stat().st_uid == scalelab.pw_uid and model.stat().st_size > 0
+    # The held-out split stays out of every other account's reach: the state is the service's alone.
+    assert stat.S_IMODE(hub.state.stat().st_mode) == 0o700
+
+
 def test_a_run_that_takes_processes_and_memory_has_a_uid_and_limits_of_its_own_and_the_service_stays(hub):
     student, scalelab = hub.students["A"], pwd.getpwnam("scalelab")
     [service] = hub.service_processes()

@@ -194,6 +194,10 @@ def stage_grading_data(data_root: Path, dataset: str, log: logging.Logger) -> tu
     target.mkdir(mode=0o700, parents=True, exist_ok=True)
     for name, source in sources.items():
         _copy_if_changed(source, target / name)
+    # Root's grader reads the held-out split as a sandbox uid of its own, through a bind of the files themselves:
+    # they are readable by all; the state directory (0700) keeps every account from reaching them.
+    for path in [target, *target.iterdir()]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
     if not all((target / name).is_file() for name in needed):
         log.error("scalelab hub service: %s is not complete in %s and could not be copied there from a readable "
                   "place; jobs on it will end with the grader's error until it is.", dataset, target)
