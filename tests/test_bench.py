@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import nbformat
 import pytest
 
 from conftest import PROJECT_ROOT, subprocess_env
@@ -183,3 +184,23 @@ def test_quick_run_writes_report_json_markdown_and_plots_with_every_figure(tmp_p
     for plot in document["plots"]:
         assert (out / plot).read_bytes()[:8] == PNG_MAGIC
         assert f"]({plot})" in markdown
+
+
+def test_the_class_notebooks_benchmark_hands_in_the_sources_answers_without_the_solution_markers(tmp_path):
+    from benchmarks import class_notebooks
+
+    source = nbformat.read(PROJECT_ROOT / "labs" / "source" / "quiz" / "quiz.ipynb", as_version=4)
+    release = nbformat.reads(nbformat.writes(source), as_version=4)
+    answer_cells = [cell for cell in release.cells if cell.metadata.get("nbgrader", {}).get("solution")]
+    assert len(answer_cells) == 8
+    for cell in answer_cells:
+        cell.source = "# YOUR CODE HERE\nraise NotImplementedError()"
+    for folder, notebook in (("source", source), ("release", release)):
+        (tmp_path / folder / "quiz").mkdir(parents=True)
+        nbformat.write(notebook, tmp_path / folder / "quiz" / "quiz.ipynb")
+    handed_in = class_notebooks.answered(tmp_path)
+    answers = [cell.source for cell in handed_in.cells if cell.metadata.get("nbgrader", {}).get("solution")]
+    assert [answer.split(" = ")[0] for answer in answers] == [f"ANSWER_Q{number}" for number in range(1, 9)], answers
+    assert not any("SOLUTION" in answer or "NotImplementedError" in answer for answer in answers)
+    others = [cell.source for cell in handed_in.cells if not cell.metadata.get("nbgrader", {}).get("solution")]
+    assert others == [cell.source for cell in release.cells if not cell.metadata.get("nbgrader", {}).get("solution")]
