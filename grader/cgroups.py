@@ -1,6 +1,8 @@
 """Cgroups of a sandbox's own, where root may make them here: memory (a limit for everything the sandbox runs, and
-whether the kernel had to kill for it) and freezer (stops every process of the sandbox at once, which no fork bomb
-can outrun). cgroup v1's controllers, else cgroup v2's. Used for a graded run and for a grading kernel.
+whether the kernel had to kill for it), freezer (stops every process of the sandbox at once, which no fork bomb
+can outrun) and, where its creator keeps to some of the CPUs (the Hub's grading CPUs), cpuset: the sandbox keeps
+to them too, whatever affinity it asks for. cgroup v1's controllers, else cgroup v2's. Used for a graded run and
+for a grading kernel.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ import sys
 import time
 from pathlib import Path
 
+from .classroom.server_limits import format_cpus, parse_cpus
+
 CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
 CGROUP_V1_FREEZER = Path("/sys/fs/cgroup/freezer")
+CGROUP_V1_CPUSET = Path("/sys/fs/cgroup/cpuset")
 CGROUP_V2 = Path("/sys/fs/cgroup")
 
 
@@ -24,19 +29,27 @@ class SandboxCgroups:
     def __init__(self, prefix: str, limit_bytes: int, enabled: bool):
         self.memory: Path | None = None
         self.freezer: Path | None = None
+        self.cpuset: Path | None = None
         self.v2 = False
         if not enabled:
             return
         name = f"{prefix}-{os.getpid()}-{time.monotonic_ns()}"
+        kept_to = _kept_to_cpus()
         if (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
             # Swap counts too where the kernel accounts it, or the limit only moves the excess to swap.
             self.memory = _make(CGROUP_V1_MEMORY / name, {"memory.limit_in_bytes": str(limit_bytes)},
                                 {"memory.memsw.limit_in_bytes": str(limit_bytes)})
             if (CGROUP_V1_FREEZER / "tasks").exists():
                 self.freezer = _make(CGROUP_V1_FREEZER / name, {})
+            if kept_to and (CGROUP_V1_CPUSET / "cpuset.cpus").exists():
+                self.cpuset = _make(CGROUP_V1_CPUSET / name, {
+                    "cpuset.cpus": kept_to, "cpuset.mems": _read(CGROUP_V1_CPUSET / "cpuset.mems").strip()})
         elif "memory" in _read(CGROUP_V2 / "cgroup.subtree_control").split():
-            self.memory = self.freezer = _make(CGROUP_V2 / name, {"memory.max": str(limit_bytes)},
+            cpuset = {"cpuset.cpus": kept_to} if kept_to and "cpuset" in _read(
+                CGROUP_V2 / "cgroup.subtree_control").split() else {}
+            self.memory = self.freezer = _make(CGROUP_V2 / name, {"memory.max": str(limit_bytes), **cpuset},
                                                {"memory.swap.max": "0"})
+            self.cpuset = self.memory if cpuset else None
             self.v2 = True
         if self.memory is None:
             print(f"{prefix}: no memory cgroup can be made here; the sandbox runs without a memory limit of its own",
@@ -49,7 +62,7 @@ class SandboxCgroups:
 
     def join(self) -> None:
         """Called in the child before it runs the sandbox: everything the sandbox starts stays in the cgroups."""
-        for path in {self.memory, self.freezer} - {None}:
+        for path in {self.memory, self.freezer, self.cpuset} - {None}:
             (path / "cgroup.procs").write_text(str(os.getpid()))
 
     def out_of_memory_kills(self) -> int:
@@ -89,13 +102,23 @@ class SandboxCgroups:
         return [int(pid) for pid in _read(self.freezer / "cgroup.procs").split()] if self.freezer else []
 
     def remove(self) -> None:
-        for path in {self.memory, self.freezer} - {None}:
+        for path in {self.memory, self.freezer, self.cpuset} - {None}:
             for _ in range(50):
                 try:
                     path.rmdir()
                     break
                 except OSError:
                     time.sleep(0.1)
+
+
+def _kept_to_cpus() -> str | None:
+    """This process's CPUs as a cpuset list where they are fewer than the machine's online CPUs; else None."""
+    kept_to = os.sched_getaffinity(0)
+    try:
+        online = parse_cpus(_read(Path("/sys/devices/system/cpu/online")))
+    except ValueError:
+        return None
+    return format_cpus(kept_to) if kept_to < online else None
 
 
 def _make(path: Path, settings: dict[str, str], where_accounted: dict[str, str] | None = None) -> Path | None:

@@ -307,10 +307,11 @@ class RunningHub:
 
 
 @contextlib.contextmanager
-def running_hub(student_roles=("A", "B"), instructor_roles=(), origin: dict | None = None):
+def running_hub(student_roles=("A", "B"), instructor_roles=(), settings: dict | None = None):
     """`make hub` on free ports with the grader service graded on the test track, students and instructors with
     random names logged in once and given an API token each; everything removed afterwards, whatever happened.
-    ``origin``: make hub's HUB_DOMAIN, HUB_TLS_CERT and HUB_TLS_KEY, for one origin per user over HTTPS."""
+    ``settings``: more of make hub's variables, e.g. HUB_DOMAIN, HUB_TLS_CERT and HUB_TLS_KEY for one origin per user
+    over HTTPS, or HUB_GRADING_CPUS."""
     if os.geteuid() != 0:
         pytest.fail("the hub tests create system accounts and run JupyterHub as root: run them as root (CI does)")
     # Every account must reach the service's state directory's parent and the track file: not pytest's (root's).
@@ -333,9 +334,9 @@ def running_hub(student_roles=("A", "B"), instructor_roles=(), origin: dict | No
     server = start_make_hub(log_path, [
         f"HUB_PORT={port}", f"HUB_PROXY_API_PORT={proxy_api_port}", f"HUB_INTERNAL_PORT={free_port()}",
         f"HUB_STATE={scratch / 'hub-state'}", f"HUB_NBGRADER={nbgrader_home}", f"HUB_CONFIG_D={config_d}",
-        *(f"{name}={value}" for name, value in (origin or {}).items())], environment)
-    if origin:  # the Hub at https://DOMAIN, the grader service at a name of its own under it
-        domain = origin["HUB_DOMAIN"]
+        *(f"{name}={value}" for name, value in (settings or {}).items())], environment)
+    if (settings or {}).get("HUB_DOMAIN"):  # the Hub at https://DOMAIN, the grader service at a name of its own
+        domain = settings["HUB_DOMAIN"]
         hub = RunningHub(f"https://{domain}:{port}", state, log_path, admin_token, nbgrader_home,
                          service_url=f"https://scalelab--service.{domain}:{port}{SERVICE_URL_PATH}")
     else:

@@ -27,7 +27,8 @@ import pytest
 import requests
 
 from conftest import PROJECT_ROOT
-from hubtools import free_port, running_hub
+from hubtools import SUBMISSIONS, free_port, running_hub
+from scalelab.grader.classroom import server_limits
 from test_serve_browser import CHROMIUM, CHROMIUM_ARGS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -73,6 +74,16 @@ def test_a_class_beyond_the_loopback_on_one_origin_or_with_a_certificate_that_do
     assert "not a host name of two labels or more" in said, said
 
 
+def test_grading_cpus_the_machine_has_not_or_that_leave_the_students_none_are_refused():
+    every_cpu = server_limits.format_cpus(os.sched_getaffinity(0))
+    said = make_hub_refuses({"HUB_GRADING_CPUS": every_cpu})
+    assert f"SCALELAB_GRADING_CPUS={every_cpu} leaves no CPU for the students' servers" in said, said
+    said = make_hub_refuses({"HUB_GRADING_CPUS": "4095"})
+    assert "names CPUs this machine does not have: 4095" in said, said
+    said = make_hub_refuses({"HUB_GRADING_CPUS": "two"})
+    assert "not a CPU list: 'two'" in said, said
+
+
 # --- a Hub with one origin per user -------------------------------------------------------------------------------
 
 _getaddrinfo = socket.getaddrinfo
@@ -93,8 +104,10 @@ def hub():
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("REQUESTS_CA_BUNDLE", str(cert))  # this process trusts the class's certificate
             patch.setattr(socket, "getaddrinfo", loopback_for_localhost_names)
-            origin = {"HUB_DOMAIN": DOMAIN, "HUB_TLS_CERT": str(cert), "HUB_TLS_KEY": str(key)}
-            with running_hub(student_roles=("A",), instructor_roles=("I",), origin=origin) as running:
+            # Graded runs get CPU 1 to themselves, the students' servers CPU 0.
+            settings = {"HUB_DOMAIN": DOMAIN, "HUB_TLS_CERT": str(cert), "HUB_TLS_KEY": str(key),
+                        "HUB_GRADING_CPUS": "1"}
+            with running_hub(student_roles=("A",), instructor_roles=("I",), settings=settings) as running:
                 running.port = int(running.url.rsplit(":", 1)[1])
                 yield running
     finally:
@@ -102,9 +115,10 @@ def hub():
 
 
 def start_server(hub, name: str) -> psutil.Process:
-    """``name``'s JupyterLab, started through the Hub's API; its process."""
-    answer = hub.admin("POST", f"users/{name}/server")
-    assert answer.status_code in (201, 202), answer.text
+    """``name``'s JupyterLab, started through the Hub's API unless it runs; its process."""
+    if not hub.admin("GET", f"users/{name}").json()["servers"].get("", {}).get("ready"):
+        answer = hub.admin("POST", f"users/{name}/server")
+        assert answer.status_code in (201, 202), answer.text
     deadline = time.monotonic() + 300
     while not hub.admin("GET", f"users/{name}").json()["servers"].get("", {}).get("ready"):
         assert time.monotonic() < deadline, f"{name}'s server did not start:\n{hub.log_text()}"
@@ -154,6 +168,34 @@ def test_a_students_server_reads_no_config_of_theirs_and_its_kernels_reach_the_s
     answer = requests.get(f"{service_url}api/service", timeout=60,
                           headers={"Authorization": f"token {hub.tokens[student]}"})
     assert answer.status_code == 200 and answer.json()["track"], answer.text[:500]
+
+
+def cpus_of(process: psutil.Process) -> str:
+    return next(line.split(":", 1)[1].strip() for line in Path(f"/proc/{process.pid}/status").read_text().splitlines()
+                if line.startswith("Cpus_allowed_list:"))
+
+
+def test_graded_runs_have_a_cpu_of_their_own_and_the_students_servers_the_other(hub):
+    student = hub.students["A"]
+    server = start_server(hub, student)
+    assert cpus_of(server) == "0", "the student's server keeps to CPU 0"
+    cpuset = server_limits.every_cgroup(student)[-1]  # v1: the cpuset controller's; v2: the server's one cgroup
+    assert (cpuset / "cpuset.cpus").read_text().strip() == "0", "held there by a cpuset nothing of theirs can widen"
+    [service] = hub.service_processes()
+    assert cpus_of(service) == "1"
+    # A run that tries to take every CPU: the ranks say what they got (a failing run, so it ends at once).
+    source = (SUBMISSIONS / "service" / "widens_its_cpus.py").read_text()
+    answer = hub.submit(student, source)
+    assert answer.status_code == 201, answer.text
+    job = hub.wait_for_job(student, answer.json()["job"]["id"])
+    assert job["state"] == "done" and job["verdict"]["verdict"] == "fail", job
+    [job_dir] = [path.parent for path in (hub.state / "assess" / "jobs").glob("*/assessment.py")
+                 if path.read_text() == source]
+    stored = json.loads((job_dir / "grader" / "verdict.json").read_text())
+    said = [line for rank in (0, 1) for line in (Path(stored["logs_dir"]) / f"rank-{rank}.log").read_text().splitlines()
+            if line.startswith("cpus ")]
+    assert said == ["cpus [1] then [1]"] * 2, said
+    assert stored["cpu_contention"]["cpus"] == 1, stored["cpu_contention"]
 
 
 def test_a_page_a_student_serves_cannot_read_the_class_page_or_the_hubs_pages_of_an_instructor_who_opens_it(hub):

@@ -12,6 +12,10 @@
 #                                                for any HUB_IP but the loopback (grader/classroom/hub_origin.py)
 #   HUB_PROXY_API_PORT, HUB_INTERNAL_PORT        on 127.0.0.1: the proxy's API (HUB_PORT+1), the Hub (HUB_PORT+81)
 #   SCALELAB_SERVICE_PORT                        on 127.0.0.1: the grader service (HUB_PORT+82)
+#   HUB_GRADING_CPUS (auto)                      CPUs graded runs keep to themselves, the students' servers held to
+#                                                the others: a list ("2-3"), "none", or auto (the upper half from 4
+#                                                CPUs on; below that all are shared and the grader measures what
+#                                                others take from each run: grader/classroom/server_limits.py)
 #   HUB_VENV (/opt/scalelab/venv)                the environment every account runs: the stack, JupyterHub, the
 #                                                course as a copy (containers/setup.sh --hub)
 #   HUB_COURSE (/opt/scalelab/course)            what each student's ~/scalelab starts from: labs/release/ (made
@@ -23,8 +27,8 @@
 #                                                in name order, loaded last (containers/hub/sites/ has examples)
 #
 # Exit codes: 0 the Hub stopped normally; 1 an install step failed; 2 a setting is wrong (a port that is not a
-# number; a class beyond the loopback without one origin per user, or its name or certificate); 3 a port is in use;
-# 4 not root.
+# number; a class beyond the loopback without one origin per user, or its name or certificate; grading CPUs the
+# machine has not, or all of them); 3 a port is in use; 4 not root.
 set -euo pipefail
 
 install_only=0
@@ -66,6 +70,8 @@ fi
 
 # A class beyond the loopback only with one origin per user: the sentence says what to set.
 HUB_IP="$HUB_IP" HUB_PORT="$HUB_PORT" python3 "$project_root/grader/classroom/hub_origin.py" || exit $EXIT_BAD_SETTING
+export SCALELAB_GRADING_CPUS="${HUB_GRADING_CPUS:-auto}"
+python3 "$project_root/grader/classroom/server_limits.py" || exit $EXIT_BAD_SETTING
 
 if [ "$(id -u)" != 0 ]; then
     fail $EXIT_NOT_ROOT "the Hub must run as root (it logs students in with PAM and starts each one's server as" \

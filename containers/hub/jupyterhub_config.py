@@ -105,8 +105,14 @@ c.Authenticator.post_auth_hook = instructors_group
 
 # Each student's JupyterLab: their own uid, the shared venv, their home, and cgroups of its own (memory, CPU weight,
 # processes: SCALELAB_STUDENT_MEMORY_MB, SCALELAB_STUDENT_CPU_WEIGHT, SCALELAB_STUDENT_TASKS), so that one student's
-# kernel cannot starve the others or the grader's runs (scalelab.grader.classroom.server_limits).
-student_server_limits = server_limits.ServerLimits.from_environment()
+# kernel cannot starve the others or the grader's runs (scalelab.grader.classroom.server_limits). Where the machine
+# has the cores (SCALELAB_GRADING_CPUS, default auto: the upper half from 4 CPUs on), graded runs keep some to
+# themselves and the students' servers are held to the others.
+try:
+    student_server_limits = server_limits.ServerLimits.from_environment()
+    cpu_split = server_limits.split_cpus(os.environ.get("SCALELAB_GRADING_CPUS", ""), os.sched_getaffinity(0))
+except ValueError as wrong:
+    raise SystemExit(f"jupyterhub_config.py: {wrong}") from None
 
 
 class LimitedLocalProcessSpawner(LocalProcessSpawner):
@@ -216,6 +222,7 @@ assess_service = register_assess_service(
                  if os.environ.get(name)},
     # hub.sh installs it: each graded run as a uid with limits of its own (grader/assess_helper.py).
     privileged_helper="/usr/local/sbin/scalelab-assess" if os.path.exists("/usr/local/sbin/scalelab-assess") else None,
+    grading_cpus=cpu_split[0] if cpu_split else None,
 )
 # --- end of ScaleLab's grader service ------------------------------------------------------------------------------
 

@@ -61,6 +61,7 @@ from scalelab import data as course_data
 
 from .. import sandbox
 from ..classroom.accounts import HUB_INSTRUCTORS_GROUP
+from ..classroom.server_limits import format_cpus, parse_cpus
 from ..pipeline import SUBMISSION_SIZE_LIMIT_BYTES
 from ..queue import MAX_JOB_ID
 from ..serve import AssessService, SubmissionProblem, send_problem
@@ -87,13 +88,14 @@ class ServiceRefused(Exception):
 
 def register(c, *, python: str, port: int, public_url: str, state_dir: str = DEFAULT_STATE_DIR,
              settings: dict | None = None, environment: dict | None = None, user: str = SERVICE_USER,
-             privileged_helper: str | None = None) -> dict:
+             privileged_helper: str | None = None, grading_cpus=None) -> dict:
     """Add the managed service ``scalelab`` to a JupyterHub config ``c``; returns the service's entry.
 
     ``python`` runs the service (an interpreter ``user`` can run, with this package and JupyterHub); ``port`` is
     where it listens on 127.0.0.1; ``public_url`` is the Hub's address as kernels reach it (the proxy, e.g.
     ``http://127.0.0.1:8000/``); ``settings`` are ``AssessService`` traits (``{"track": ..., "slots": 1}``);
-    ``privileged_helper``: root's helper that ``user`` may run through sudo (``HubAssessService.privileged_helper``).
+    ``privileged_helper``: root's helper that ``user`` may run through sudo (``HubAssessService.privileged_helper``);
+    ``grading_cpus``: the CPUs graded runs keep to (``HubAssessService.grading_cpus``; None: all).
     Every user may use the service, and single-user servers' tokens carry that permission, so the Assess panel
     in a kernel can call it with ``$JUPYTERHUB_API_TOKEN``. The service may list the Hub's users and their
     groups (its class page shows the students who have not submitted yet).
@@ -104,6 +106,8 @@ def register(c, *, python: str, port: int, public_url: str, state_dir: str = DEF
     command += [f"--AssessService.{name}={value}" for name, value in (settings or {}).items()]
     if privileged_helper:
         command.append(f"--privileged-helper={privileged_helper}")
+    if grading_cpus:
+        command.append(f"--grading-cpus={format_cpus(grading_cpus)}")
     entry = {
         "name": SERVICE_NAME,
         "url": f"http://127.0.0.1:{port}",
@@ -356,7 +360,8 @@ class HubAssessService(Application):
     name = "scalelab-hub-service"
     description = __doc__
     classes = [AssessService]
-    aliases = {"state-dir": "HubAssessService.state_dir", "privileged-helper": "HubAssessService.privileged_helper"}
+    aliases = {"state-dir": "HubAssessService.state_dir", "privileged-helper": "HubAssessService.privileged_helper",
+               "grading-cpus": "HubAssessService.grading_cpus"}
 
     state_dir = Unicode(config=True, help=f"The service's state, private to its account. Default: "
                                           f"${STATE_DIR_VARIABLE}, else {DEFAULT_STATE_DIR}.")
@@ -365,6 +370,11 @@ class HubAssessService(Application):
         "Root's helper that grades each local job with a uid and limits of its own (grader/assess_helper.py), "
         "run through `sudo -n`; make hub installs it as /usr/local/sbin/scalelab-assess. Empty: runs are this "
         "account in a user namespace, without a process or memory limit."))
+
+    grading_cpus = Unicode("", config=True, help=(
+        "The CPUs graded runs have to themselves (a list such as '2-3'; make hub's SCALELAB_GRADING_CPUS, whose "
+        "other CPUs hold the students' servers): the service keeps to them, and every run it starts inherits them. "
+        "Empty: every CPU this process may use."))
 
     @default("state_dir")
     def _state_dir_default(self):
@@ -384,6 +394,8 @@ class HubAssessService(Application):
                                  "(see register() in grader/service/hub.py), not by hand.")
         prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX") or f"/services/{SERVICE_NAME}/"
         HubAskedEveryTime.instance(parent=self)
+        if self.grading_cpus:
+            keep_to_cpus(self.grading_cpus)  # before the service counts its cores: its slots and contention use these
         service = AssessService(None, parent=self, log=self.log)
         if service.allow_unsandboxed:
             raise ServiceRefused("AssessService.allow_unsandboxed cannot be used by the Hub service: an "
@@ -423,6 +435,16 @@ class HubAssessService(Application):
         server.stop()
         # Running jobs go back to the front of the queue (graded again from scratch, never by halves); queued ones wait.
         await loop.run_in_executor(None, service.stop)
+
+
+def keep_to_cpus(cpu_list: str) -> None:
+    """This process, and what it starts from now on, on ``cpu_list`` alone."""
+    try:
+        cpus = parse_cpus(cpu_list)
+        os.sched_setaffinity(0, cpus)
+    except (ValueError, OSError) as error:
+        raise ServiceRefused(f"--grading-cpus={cpu_list} cannot be kept to ({error}); this process may use CPUs "
+                             f"{format_cpus(os.sched_getaffinity(0))}.") from None
 
 
 def main(argv=None) -> int:
