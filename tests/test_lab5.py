@@ -17,8 +17,11 @@ from labtools import LABS, code_cell_containing, execute, outputs_of, run_quiz, 
 
 LAB_FOLDER = LABS / "source" / "lab5"
 SOURCE_NOTEBOOK = LAB_FOLDER / "lab5_large_batch.ipynb"
+RECORDED_CSV = LAB_FOLDER / "recorded_batch_sizes.csv"
 RECORDED_BATCH_SIZES = [64, 128, 256, 512]
-REFERENCE_ROW = "recorded: warmup at batch 64, 8 epochs (small-batch reference)"
+RECORDED_SEEDS = [0, 1, 2]
+TARGET_ACCURACY = 0.40
+REFERENCE_ROW = "recorded: warmup at batch 64, rate held, 5 epochs, mean of 3 seeds (small-batch reference)"
 # One rung (LAMB), plus the notebook's ghost-batch-norm run of the warmup rung (SGD), keeps the smoke test within
 # two minutes; the full-settings run, timed by hand, trains every rung.
 LADDER = ["lamb"]
@@ -102,29 +105,94 @@ def test_lab5_ladder_runs_every_variant_and_fills_the_table_from_its_csv_logs(ex
     assert all(int(row[4]) > 0 for row in rows)
 
 
-def test_lab5_shows_the_recorded_steps_to_target_against_the_batch_size_next_to_the_measured_noise_scale(
-        executed_lab5):
+def recorded_runs() -> dict[tuple[int, int], dict[str, list[float]]]:
+    """The recorded runs straight from their CSV: (batch size, seed) -> columns, in the order of the steps."""
+    with RECORDED_CSV.open() as handle:
+        rows = sorted(csv.DictReader(handle), key=lambda row: int(row["steps"]))
+    runs: dict[tuple[int, int], dict[str, list[float]]] = {}
+    for row in rows:
+        run = runs.setdefault((int(row["batch_size"]), int(row["seed"])), {})
+        for column in ("steps", "epoch", "val_accuracy"):
+            run.setdefault(column, []).append(float(row[column]))
+    return runs
+
+
+def first_steps_at(run: dict[str, list[float]], target: float) -> int | None:
+    return next((int(steps) for steps, accuracy in zip(run["steps"], run["val_accuracy"]) if accuracy >= target), None)
+
+
+def test_lab5_recorded_runs_have_three_seeds_per_batch_size_each_reaching_the_target_between_close_measurements():
+    runs = recorded_runs()
+    assert sorted(runs) == [(batch, seed) for batch in RECORDED_BATCH_SIZES for seed in RECORDED_SEEDS]
+    for (batch, seed), run in runs.items():
+        steps_to_target = first_steps_at(run, TARGET_ACCURACY)
+        assert steps_to_target is not None, f"batch {batch}, seed {seed} never reaches {TARGET_ACCURACY}"
+        interval = min(later - earlier for earlier, later in zip(run["steps"], run["steps"][1:]))
+        assert interval <= 0.13 * steps_to_target, (batch, seed, interval, steps_to_target)   # about a tenth
+    # the train-longer reading: batch 64 to 4 epochs at least, batch 512 to 8
+    assert all(max(runs[64, seed]["epoch"]) >= 4 and max(runs[512, seed]["epoch"]) == 8 for seed in RECORDED_SEEDS)
+
+
+def test_lab5_shows_the_recorded_steps_to_target_of_every_seed_and_fits_only_what_the_spread_allows(executed_lab5):
     notebook, _ = executed_lab5
     text, html, images, errors = outputs_of(code_cell_containing(notebook, "def steps_to_target("))
     assert errors == [] and images == 1
     assert any("Recorded (not run here)" in fragment for fragment in html)
-    table = next(fragment for fragment in html if "steps to 0.45" in fragment)
-    rows = re.findall(r"<tr><td>(\d+)</td><td>(\d+)</td><td>(0\.\d{4})</td><td>(0\.\d{4})</td><td>(\d+)</td>"
-                      r"<td>(\d+)</td><td>(\d+)</td></tr>", table)
+    runs = recorded_runs()
+    expected = {batch: [first_steps_at(runs[batch, seed], TARGET_ACCURACY) for seed in RECORDED_SEEDS]
+                for batch in RECORDED_BATCH_SIZES}
+    table = next(fragment for fragment in html if "steps to 0.40: each seed" in fragment)
+    rows = re.findall(r"<tr><td>(\d+)</td><td>(\d+)</td><td>(\d+)</td><td>([\d ]+)</td><td>(\d+)</td>"
+                      r"<td>(\d+)–(\d+)</td><td>([\d,]+)</td><td>(\d+)</td></tr>", table)
     assert [int(row[0]) for row in rows] == RECORDED_BATCH_SIZES
-    # 8 epochs of the 5,170-image subset: 80 steps per epoch at batch 64 … 10 at batch 512.
-    assert [int(row[1]) for row in rows] == [8 * (5170 // batch) for batch in RECORDED_BATCH_SIZES]
-    steps_to_target = [int(row[6]) for row in rows]
-    assert steps_to_target == sorted(steps_to_target, reverse=True) and steps_to_target[0] > steps_to_target[-1] > 0
-    # ^ larger batches need fewer steps…
-    samples_to_target = [steps * batch for steps, batch in zip(steps_to_target, RECORDED_BATCH_SIZES)]
-    assert samples_to_target[-1] > samples_to_target[0]          # …but more images: the returns diminish
-    listed = re.search(r"recorded steps to 0\.45: batch 64: (\d+), batch 128: (\d+), batch 256: (\d+), "
-                       r"batch 512: (\d+)", text)
-    assert listed and [int(value) for value in listed.groups()] == steps_to_target
-    fitted = re.search(r"fitted S\(B\) = S_min \(1 \+ B_noise / B\): S_min = (\d+) steps, B_noise = (\d+) images", text)
-    assert fitted and 0 < int(fitted.group(1)) <= min(steps_to_target) and int(fitted.group(2)) > 0
+    for batch, seeds, _, each_seed, mean, low, high, images_to_target, _ in rows:
+        steps = expected[int(batch)]
+        assert int(seeds) == 3 and [int(value) for value in each_seed.split()] == steps
+        assert int(mean) == round(sum(steps) / 3) and (int(low), int(high)) == (min(steps), max(steps))
+        assert int(images_to_target.replace(",", "")) == round(sum(steps) / 3 * int(batch))
+    # What the text after the plot says: every doubling of the batch takes fewer steps, but never half as many, so
+    # more images.
+    means = [sum(expected[batch]) / 3 for batch in RECORDED_BATCH_SIZES]
+    assert all(0.5 < later / earlier < 1 for earlier, later in zip(means, means[1:])), means
+    listed = re.search(r"recorded steps to 0\.40 \(mean of the seeds, min–max\): batch 64: \d+ \((\d+)–(\d+)\), "
+                       r"batch 128: \d+ \((\d+)–(\d+)\), batch 256: \d+ \((\d+)–(\d+)\), "
+                       r"batch 512: \d+ \((\d+)–(\d+)\)", text)
+    assert listed and [int(value) for value in listed.groups()] == [
+        bound for batch in RECORDED_BATCH_SIZES for bound in (min(expected[batch]), max(expected[batch]))]
+    # The curve S_min (1 + B_noise / B) is fitted only if the steps fall from each batch size to the next by more
+    # than the seeds' spread; otherwise the notebook says which batch sizes overlap.
+    supported = all(max(expected[large]) < min(expected[small])
+                    for small, large in zip(RECORDED_BATCH_SIZES, RECORDED_BATCH_SIZES[1:]))
+    fitted = re.search(r"fitted S\(B\) = S_min \(1 \+ B_noise / B\): S_min = (\d+) steps", text)
+    refused = re.search(r"^no fit: .+ overlap those at batch \d+ .+too little to fit$", text, re.MULTILINE)
+    assert (fitted is not None, refused is not None) == (supported, not supported), text
+    assert not supported   # the recorded seeds overlap: what the text after the plot says
     assert re.search(r"gradient noise scale measured in section 2: -?\d+ images", text)
+
+
+def test_lab5_shows_the_recorded_large_batch_trained_longer_beside_the_small_batch(executed_lab5):
+    notebook, _ = executed_lab5
+    text = outputs_of(code_cell_containing(notebook, "def steps_to_target(")).text
+    runs = recorded_runs()
+
+    def over_epoch(batch: int, epoch: int) -> float:
+        """Mean over the seeds of each run's mean held-out accuracy over the epoch that ends at ``epoch``."""
+        means = []
+        for seed in RECORDED_SEEDS:
+            run = runs[batch, seed]
+            window = [accuracy for at, accuracy in zip(run["epoch"], run["val_accuracy"]) if epoch - 1 < at <= epoch]
+            means.append(sum(window) / len(window))
+        return sum(means) / len(means)
+
+    shown = re.search(r"train longer, held-out accuracy over the last epoch \(mean of the seeds\): "
+                      r"batch 64, 4 epochs \(320 steps\): (0\.\d{4}); batch 512, 4 epochs \(40 steps\): (0\.\d{4}); "
+                      r"batch 512, 8 epochs \(80 steps\): (0\.\d{4})$", text, re.MULTILINE)
+    assert shown, text
+    small, large, longer = (float(value) for value in shown.groups())
+    assert [small, large, longer] == pytest.approx([over_epoch(64, 4), over_epoch(512, 4), over_epoch(512, 8)],
+                                                   abs=1e-4)
+    # what the text says: at equal epochs the large batch lags far behind; twice the epochs bring it about level
+    assert large < small - 0.1 and abs(longer - small) < 0.02
 
 
 def test_lab5_quiz_accepts_the_right_answers_and_explains_wrong_ones():

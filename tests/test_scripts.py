@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import csv
 import difflib
 import json
 import re
@@ -153,3 +154,75 @@ def test_ladder_without_cifar10_exits_3_saying_how_to_stage_it(tmp_path):
                         KERAS_HOME=str(tmp_path / "keras"), HTTPS_PROXY=unreachable, HTTP_PROXY=unreachable)
     assert result.returncode == 3, (result.stdout, result.stderr[-2000:])
     assert "SCALELAB_CIFAR10_DIR" in result.stderr and "cifar-10-python.tar.gz" in result.stderr
+
+
+def test_ladder_measures_held_out_accuracy_every_n_steps_and_at_epoch_ends(cifar10_dir, tmp_path):
+    log = tmp_path / "warmup_b64.csv"
+    # 256 images at batch 64: 4 steps per epoch, so every 3 steps plus each epoch's end is steps 3, 4, 6, 8.
+    result = run_ladder("--variant", "warmup", "--epochs", "2", "--batch-size", "64", "--train-images", "256",
+                        "--val-images", "101", "--seed", "0", "--eval-every-steps", "3", "--csv", str(log),
+                        SCALELAB_CIFAR10_DIR=str(cifar10_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "held-out accuracy every 3 steps" in result.stdout
+    assert len([line for line in result.stdout.splitlines() if EPOCH_LINE.match(line)]) == 2, result.stdout
+    with log.open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert list(rows[0])[:4] == ["run", "steps", "images", "epoch"]
+    assert [int(row["steps"]) for row in rows] == [3, 4, 6, 8]
+    assert [int(row["images"]) for row in rows] == [192, 256, 384, 512]
+    assert [float(row["epoch"]) for row in rows] == [0.75, 1.0, 1.5, 2.0]
+    elapsed = [float(row["elapsed_s"]) for row in rows]
+    assert elapsed == sorted(elapsed) and all(0 < float(row["eval_s"]) < float(row["elapsed_s"]) for row in rows)
+    # 101 held-out images: every accuracy is a whole number of them.
+    assert all(abs(float(row["val_accuracy"]) * 101 - round(float(row["val_accuracy"]) * 101)) < 1e-6 for row in rows)
+    final = re.search(r"^final val_accuracy (\d\.\d{4})$", result.stdout, re.MULTILINE)
+    assert final and float(final.group(1)) == round(float(rows[-1]["val_accuracy"]), 4)
+
+
+def test_ladder_stops_at_the_first_held_out_measurement_at_the_target(cifar10_dir, tmp_path):
+    log = tmp_path / "warmup_b64.csv"
+    # Any model gets one of 101 images right: the first measurement (step 3 of 8) is at the target already.
+    result = run_ladder("--variant", "warmup", "--epochs", "2", "--batch-size", "64", "--train-images", "256",
+                        "--val-images", "101", "--seed", "0", "--eval-every-steps", "3", "--stop-at-accuracy", "0.009",
+                        "--csv", str(log), SCALELAB_CIFAR10_DIR=str(cifar10_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^val_accuracy \d\.\d{4} ≥ 0\.009 after 3 steps: stopping$", result.stdout, re.MULTILINE)
+    with log.open() as handle:
+        assert [row["steps"] for row in csv.DictReader(handle)] == ["3"]
+    assert "epoch 2/2" not in result.stdout
+
+
+@pytest.mark.parametrize("schedule, final_lr", [("step", 0.0004), ("constant", 0.04)])
+def test_ladder_schedule_drops_the_rate_at_fixed_epochs_or_holds_it(schedule, final_lr, cifar10_dir, tmp_path):
+    log = tmp_path / f"{schedule}.csv"
+    # scaled_lr at batch 128 (k = 2, peak 0.04, no warmup), 4 epochs: the step schedule drops at epochs 2 and 3.
+    result = run_ladder("--variant", "scaled_lr", "--epochs", "4", "--batch-size", "128", "--train-images", "256",
+                        "--val-images", "128", "--seed", "0", "--schedule", schedule, "--csv", str(log),
+                        SCALELAB_CIFAR10_DIR=str(cifar10_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = "×0.1 at epochs 2 and 3" if schedule == "step" else "then constant"
+    assert f"warmup 0 epochs, {expected}, global batch 128" in result.stdout, result.stdout
+    with log.open() as handle:
+        rates = [float(row["lr"]) for row in csv.DictReader(handle)]
+    # The rate of each epoch's last step: the step schedule's drops show in epochs 3 and 4.
+    expected_rates = [0.04, 0.04, 0.004, 0.0004] if schedule == "step" else [0.04] * 4
+    assert rates == pytest.approx(expected_rates, rel=1e-5) and rates[-1] == pytest.approx(final_lr, rel=1e-5)
+
+
+@pytest.mark.parametrize("bad_flags, message", [
+    (["--eval-every-steps", "0", "--csv", "LOG"], "--eval-every-steps must be at least 1"),
+    (["--eval-every-steps", "5"], "--eval-every-steps writes its measurements to the --csv file"),
+    (["--schedule", "cosine"], "invalid choice: 'cosine'"),
+    (["--stop-at-accuracy", "0.5", "--csv", "LOG"], "--stop-at-accuracy needs --eval-every-steps"),
+    (["--stop-at-accuracy", "1.5", "--eval-every-steps", "5", "--csv", "LOG"], "and a value in (0, 1]"),
+    (["--eval-every-steps", "9", "--csv", "LOG", "--epochs", "2", "--batch-size", "64", "--train-images", "256"],
+     "--eval-every-steps 9 is more than the run's 8 steps (2 epochs of 4)"),
+], ids=["zero-steps", "no-csv", "unknown-schedule", "stop-without-measurements", "stop-above-one", "beyond-the-run"])
+def test_ladder_rejects_bad_measurement_and_schedule_flags_with_exit_status_2(bad_flags, message, cifar10_dir,
+                                                                               tmp_path):
+    log = tmp_path / "run.csv"
+    flags = [str(log) if flag == "LOG" else flag for flag in bad_flags]
+    result = run_ladder("--variant", "warmup", *flags, timeout_s=120, SCALELAB_CIFAR10_DIR=str(cifar10_dir))
+    assert result.returncode == 2, (result.stdout, result.stderr[-2000:])
+    assert message in result.stderr, result.stderr[-2000:]
+    assert "epoch 1/" not in result.stdout and not log.exists()
