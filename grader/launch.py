@@ -93,10 +93,10 @@ class RunResult:
     ``exit_code`` is horovodrun's (None if it had to be killed); ``wall_time_s`` runs from launch to exit
     (time.monotonic, by the grader); ``timed_out`` means it was still running at budget + grace and was stopped;
     ``rank_logs`` maps rank → log file; ``rank_tracebacks`` holds the last Python traceback each rank printed;
-    ``truncated_logs`` lists the log files that hit the cap; ``survivors_killed`` counts processes of the job
-    still alive after horovodrun ended, ``strays_killed`` those that kept horovodrun waiting after every rank had
-    exited (both killed by the grader). ``timeline`` is the streamed timeline's evidence
-    (:class:`witness.TimelineEvidence` as a dict) and ``loopback_bytes`` the sandbox's loopback traffic (None:
+    ``truncated_logs`` lists the log files that hit the cap; ``survivors_killed`` counts processes of the job still
+    alive after horovodrun ended, ``strays_killed`` those that kept horovodrun waiting after every rank had exited
+    (both killed by the grader). ``timeline`` is the streamed timeline's evidence (:class:`witness.TimelineEvidence`
+    as a dict) and ``loopback_bytes`` the sandbox's loopback traffic, sent in ``loopback_packets`` packets (None:
     not measured, e.g. without a sandbox). ``cpu_contention`` is how much CPU other work on the machine used
     meanwhile (:class:`contention.CpuContention` as a dict; None: not measured). ``snapshots`` are the versions of
     the model the run saved while it went, as the grader copied them (:class:`snapshots.Snapshot` as dicts), and
@@ -122,6 +122,7 @@ class RunResult:
     strays_killed: int = 0
     timeline: dict = dataclasses.field(default_factory=dict)
     loopback_bytes: int | None = None
+    loopback_packets: int | None = None
     cpu_contention: dict | None = None
     snapshots: list = dataclasses.field(default_factory=list)
     snapshot_notes: list = dataclasses.field(default_factory=list)
@@ -333,6 +334,7 @@ class SandboxWatch:
         self.init: psutil.Process | None = None  # bwrap's process inside the new namespaces
         self.launcher_pid: int | None = None     # init's first child: horovodrun (or the shell running mpirun)
         self.loopback_bytes: int | None = None
+        self.loopback_packets: int | None = None
         self.strays_seen_before = False
 
     def _sandbox_init(self) -> psutil.Process | None:
@@ -347,9 +349,10 @@ class SandboxWatch:
     def sample_traffic(self) -> None:
         init = self._sandbox_init()
         if init is not None:
-            sent = witness.loopback_bytes(init.pid)
+            sent = witness.loopback_sent(init.pid)
             if sent is not None:
-                self.loopback_bytes = max(self.loopback_bytes or 0, sent)
+                self.loopback_bytes = max(self.loopback_bytes or 0, sent[0])
+                self.loopback_packets = max(self.loopback_packets or 0, sent[1])
 
     def strays(self) -> list[psutil.Process]:
         """Processes that lost their parent (re-parented to the sandbox's init) while no rank runs any more:
@@ -489,7 +492,8 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path, groups: cgroups.San
                      rank_logs=rank_logs, launcher_log=launcher_log, rank_tracebacks=demux.tracebacks(),
                      truncated_logs=truncated, epochs_seen=demux.epochs_seen, survivors_killed=survivors,
                      strays_killed=strays_killed, timeline=dataclasses.asdict(evidence),
-                     loopback_bytes=watch.loopback_bytes, cpu_contention=cpu_contention.as_dict(),
+                     loopback_bytes=watch.loopback_bytes, loopback_packets=watch.loopback_packets,
+                     cpu_contention=cpu_contention.as_dict(),
                      snapshots=[snapshot.as_dict() for snapshot in collector.snapshots] if collector else [],
                      snapshot_notes=list(collector.notes) if collector else [],
                      stopped_at_target=stopped_at_target, reported_accuracy=demux.latest_accuracy,

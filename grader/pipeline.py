@@ -315,7 +315,7 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
             graded_model = heldout.checked_model
         timeline = witness.TimelineEvidence(**run.timeline) if run.timeline else witness.TimelineCounter().evidence()
         traffic = witness.traffic_evidence(run.loopback_bytes, timeline, model.trainable_parameters,
-                                           model.trainable_variables, np)
+                                           model.trainable_variables, np, run.loopback_packets)
         verdict.update(heldout_accuracy=model.heldout_accuracy, trainable_variables=model.trainable_variables,
                        ranks_seen=timeline.ranks_seen, allreduce_count=timeline.allreduce_count,
                        allreduced_tensors=timeline.allreduced_tensors, active_deciles=timeline.active_deciles,

@@ -14,6 +14,13 @@ Two witnesses, both read by the grader on its own clock:
    parameters × 4 bytes × 2(N−1)/N per rank and step, N × that on the interface. Open MPI would move local
    messages through shared memory, out of sight: graded ``--mpi`` runs use its TCP transport on the loopback
    (:func:`witnessed_mpi_settings`), so the same witness holds for both launchers.
+   Horovod's coordination talks on the same loopback while the job lives, whatever is allreduced (about 0.7 MB
+   a second between two ranks at its default cycle time, more at a shorter one, which a run can set itself), in
+   small packets: coordination messages and acknowledgements average 90 bytes, while gradients cross the loopback
+   in segments of up to 64 KB. So each packet is charged ``SMALL_PACKET_BYTES`` before the bytes are compared
+   with what the gradients need: a run cannot make up the gradients' traffic by running long or cycling fast.
+   (Bulk bytes are counted, not inspected: a run that allreduces as many junk bytes as the gradients would
+   is beyond this witness.)
 """
 
 from __future__ import annotations
@@ -39,8 +46,11 @@ LATE_AFTER_S = 5.0
 LATE_SHARE_ALLOWED = 0.2
 # The traffic needed at every step, as a fraction of what float32 ring allreduces move: fp16 compression
 # (hvd.Compression.fp16) halves it, and Horovod may pick another algorithm; allreducing a few tiny tensors
-# instead of the gradients moves orders of magnitude less.
+# instead of the gradients moves next to no bulk (see SMALL_PACKET_BYTES).
 MIN_TRAFFIC_RATIO = 0.25
+# Charged per packet sent on the loopback: more than Horovod's coordination sends per packet (measured: 89-90 bytes
+# on average, idle or at a 0.1 ms cycle), a fraction of a percent of the gradients' 64 KB segments.
+SMALL_PACKET_BYTES = 128
 
 
 def witnessed_mpi_settings() -> dict[str, str]:
@@ -225,14 +235,15 @@ class TimelineStream:
         return self.counter.evidence()
 
 
-def loopback_bytes(pid: int) -> int | None:
-    """Bytes sent on the loopback interface of ``pid``'s network namespace, or None if it cannot be read."""
+def loopback_sent(pid: int) -> tuple[int, int] | None:
+    """(bytes, packets) sent on the loopback interface of ``pid``'s network namespace, or None if unreadable."""
     try:
         with open(f"/proc/{pid}/net/dev") as table:
             for line in table:
                 interface, _, counters = line.partition(":")
                 if interface.strip() == "lo":
-                    return int(counters.split()[8])  # transmit bytes
+                    fields = counters.split()
+                    return int(fields[8]), int(fields[9])  # transmit bytes, transmit packets
     except (OSError, ValueError, IndexError):
         return None
     return None
@@ -249,29 +260,39 @@ class TrafficEvidence:
     loopback_bytes: int | None     # sent on the sandbox's loopback during the run (None: not measured)
     expected_bytes: float | None   # what averaging this model's gradients at every step needs
     steps: float | None            # allreduces per allreduced tensor: the steps the timeline shows
-    ratio: float | None
+    ratio: float | None            # bulk bytes ÷ expected bytes
+    loopback_packets: int | None = None  # the packets those bytes went in
+    bulk_bytes: int | None = None  # the bytes less SMALL_PACKET_BYTES a packet: what coordination cannot make up
+
+
+def bulk_bytes(sent_bytes: int, packets: int | None) -> int:
+    """The bytes beyond what small packets (coordination, acknowledgements) carry."""
+    return max(0, sent_bytes - (packets or 0) * SMALL_PACKET_BYTES)
 
 
 def traffic_evidence(measured: int | None, timeline: TimelineEvidence, trainable_parameters: int | None,
-                     trainable_variables: int | None, np: int) -> TrafficEvidence:
+                     trainable_variables: int | None, np: int, packets: int | None = None) -> TrafficEvidence:
     """The traffic against what the model needs. Averaging the gradients allreduces each trainable variable once
     per step, so the timeline shows allreduces ÷ variables steps (counted per variable of the saved model, not per
-    distinct name, so that many names allreduced once each cannot make the steps look few)."""
+    distinct name, so that many names allreduced once each cannot make the steps look few). ``measured`` bytes
+    went in ``packets`` packets; only their bulk counts (see ``SMALL_PACKET_BYTES``)."""
+    bulk = None if measured is None else bulk_bytes(measured, packets)
     if measured is None or not trainable_parameters or not trainable_variables or not timeline.allreduce_count \
             or np < 2:
-        return TrafficEvidence(measured, None, None, None)
+        return TrafficEvidence(measured, None, None, None, packets, bulk)
     steps = timeline.allreduce_count / trainable_variables
     expected = expected_traffic_bytes(trainable_parameters, steps, np)
-    return TrafficEvidence(measured, round(expected), round(steps, 1), round(measured / expected, 3))
+    return TrafficEvidence(measured, round(expected), round(steps, 1), round(bulk / expected, 3), packets, bulk)
 
 
 def traffic_problem(traffic: TrafficEvidence) -> str | None:
     """A sentence when the ranks exchanged far less than averaging the model's gradients at every step needs."""
     if traffic.ratio is None or traffic.ratio >= MIN_TRAFFIC_RATIO:
         return None
-    return (f"the ranks sent {traffic.loopback_bytes / 1e6:.2f} MB to each other, but averaging this model's "
-            f"gradients at each of the {traffic.steps:.0f} steps the timeline shows needs about "
-            f"{traffic.expected_bytes / 1e6:.1f} MB (parameters × 4 bytes × 2(N−1)/N per rank and step): the "
+    return (f"the ranks sent {traffic.bulk_bytes / 1e6:.2f} MB to each other beyond Horovod's own coordination "
+            f"({traffic.loopback_bytes / 1e6:.2f} MB in all), but averaging this model's gradients at each of the "
+            f"{traffic.steps:.0f} steps the timeline shows needs about {traffic.expected_bytes / 1e6:.1f} MB "
+            f"(parameters × 4 bytes × 2(N−1)/N per rank and step): the "
             f"allreduces did not carry the model's gradients. Wrap the model's own optimizer in "
             f"hvd.DistributedOptimizer.")
 
