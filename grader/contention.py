@@ -31,6 +31,10 @@ from .spec import BUDGET_SHARE
 # Tracks are calibrated so that the reference uses at most 80 % of the budget on an otherwise idle machine
 # (spec.BUDGET_SHARE): once others take the remaining fifth of the CPU, an honest run can be pushed past its budget.
 CONTENDED_SHARE = round(1 - BUDGET_SHARE[1], 2)
+# Others take CPU from a run only while more is runnable than there are CPUs, so a crowded run leaves the CPUs no
+# time to spare. Where the run and the others together kept them busy less than this share of the time, the run was
+# waiting on itself (a hang, a sleep, a rank waiting for a message), not for a CPU.
+SATURATED_SHARE = 0.8
 SAMPLE_INTERVAL_S = 0.5
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 PROC = Path("/proc")
@@ -52,8 +56,12 @@ class CpuContention:
 
 
 def is_contended(contention: dict | None) -> bool:
-    """Whether others used so much of the machine that a run out of time is not the submission's fault."""
-    return bool(contention) and contention["share"] >= CONTENDED_SHARE
+    """Whether others used so much of the machine that a run out of time is not the submission's fault: they took
+    at least ``CONTENDED_SHARE`` of it, and with the run's own use the CPUs were saturated."""
+    if not contention or not contention["capacity_cpu_s"]:
+        return False
+    busy = (contention["others_cpu_s"] + contention["own_cpu_s"]) / contention["capacity_cpu_s"]
+    return contention["share"] >= CONTENDED_SHARE and busy >= SATURATED_SHARE
 
 
 def busy_machine_sentence(contention: dict) -> str:
