@@ -14,7 +14,8 @@ from labtools import LABS, code_cell_containing, execute, outputs_of, validate
 
 SOURCE_NOTEBOOK = LABS / "source" / "lab2" / "lab2_batch_size.ipynb"
 SMALL_SETTINGS = dict(TRAIN_IMAGES=2048, VAL_IMAGES=512, SWEEP_BATCH_SIZES=[32, 128], SWEEP_IMAGES=1024,
-                      TTA_BATCH_SIZES=[32, 128], TARGET_ACCURACY=0.6, MAX_EPOCHS=3, FIT_TRAIN_IMAGES=256, FIT_EPOCHS=3)
+                      TTA_BATCH_SIZES=[32, 128], TARGET_ACCURACY=0.6, MAX_EPOCHS=3, FIT_TRAIN_IMAGES=256, FIT_EPOCHS=3,
+                      PIPELINE_IMAGES=1024, PIPELINE_FILES=8, PIPELINE_BATCH=128)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def test_lab2_sweeps_the_batch_size_and_draws_the_images_per_second_bar_chart(ex
                                                                       r"img/s ([\d.]+)", text)}
     assert sorted(measured) == SMALL_SETTINGS["SWEEP_BATCH_SIZES"], text
     assert all(rate > 0 for rate in measured.values())
-    _, _, images, _ = outputs_of(code_cell_containing(executed_lab2, "axis.bar("))
+    _, _, images, _ = outputs_of(code_cell_containing(executed_lab2, "bars = axis.bar("))
     assert images == 1, "the throughput bar chart is missing"
 
 
@@ -95,6 +96,38 @@ def test_lab2_plots_training_against_validation_for_an_underfit_an_overfit_and_a
     assert len(re.findall(r"epochs in \d+ s, accuracy [\d.]+, val_accuracy [\d.]+", printed)) == 3, printed
 
 
+@pytest.mark.slow
+def test_lab2_measures_four_input_pipelines_over_tfrecord_files_and_the_model_beside_them(executed_lab2):
+    text, _, _, _ = outputs_of(code_cell_containing(executed_lab2, "for name, options in PIPELINES.items()"))
+    measured = re.findall(r"^ *(plain|parallel|\+ prefetch|\+ cache): read +(\d+) img/s, trained +(\d+) img/s$",
+                          text, re.MULTILINE)
+    assert [name for name, _, _ in measured] == ["plain", "parallel", "+ prefetch", "+ cache"], text
+    assert all(int(read) > 0 and int(trained) > 0 for _, read, trained in measured), text
+    reading = {name: int(read) for name, read, _ in measured}
+    assert reading["+ cache"] > 5 * reading["plain"], f"the cached pass decodes nothing: {text}"  # ~180x measured
+    assert re.search(r"the model alone, from memory: \d+ img/s", text), text
+    _, _, images, _ = outputs_of(code_cell_containing(executed_lab2, "axis.axhline(model_speed"))
+    assert images == 1, "the pipelines' bar chart is missing"
+    written, _, _, _ = outputs_of(code_cell_containing(executed_lab2, "record_files = write_records("))
+    assert f"{SMALL_SETTINGS['PIPELINE_IMAGES']} images in {SMALL_SETTINGS['PIPELINE_FILES']} files" in written
+
+
+@pytest.mark.slow
+def test_lab2_sharding_by_files_reads_each_record_once_and_by_records_reads_everything_on_every_rank(executed_lab2):
+    cell = code_cell_containing(executed_lab2, "for how in (\"by files\", \"by records\")")
+    text, html, _, _ = outputs_of(cell)
+    images = SMALL_SETTINGS["PIPELINE_IMAGES"]
+    for how in ("by files", "by records"):
+        assert f"sharded {how}: ranks disjoint: True, together all {images}: True" in text, text
+    [table] = [fragment for fragment in html if "two ranks, each its part" in fragment]
+    rows = re.findall(r"<tr><td>(by files|by records)</td><td>(\d)</td><td>(\d+)</td><td>(\d+)</td>", table)
+    assert [(how, int(rank)) for how, rank, _, _ in rows] == [("by files", 0), ("by files", 1),
+                                                              ("by records", 0), ("by records", 1)], table
+    for how, _, read, kept in rows:
+        assert int(kept) == images // 2, table
+        assert int(read) == (images // 2 if how == "by files" else images), table
+
+
 @pytest.fixture(scope="module")
 def released_course(tmp_path_factory):
     return labtools.released_course(tmp_path_factory, "lab2")
@@ -104,11 +137,12 @@ def test_lab2_release_has_no_solutions_and_its_exercises_fail_validation(release
     released = released_course / "release" / "lab2" / "lab2_batch_size.ipynb"
     text = released.read_text()
     assert "### BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
-    assert text.count("raise NotImplementedError") == 2
+    assert text.count("raise NotImplementedError") == 3
     results = validate(released)
     failed_cells = [failure["source"] for failure in results.get("failed", [])]
-    assert len(failed_cells) == 2, results.keys()
+    assert len(failed_cells) == 3, results.keys()
     assert "images_per_second(" in failed_cells[0] and "fastest_batch_size(" in failed_cells[1]
+    assert "files_for_rank(" in failed_cells[2]
 
 
 @pytest.mark.slow

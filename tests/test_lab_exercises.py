@@ -99,6 +99,41 @@ EXERCISES = {
             return min(reached, key=lambda run: run["seconds_to_target"])["batch_size"] if reached else None
             """,), "hidden", "prefer the smaller batch"),
     },
+    ("lab2", "ex3-files", "ex3-tests"): {
+        "blocks of the rounded-down share": Wrong(("""
+            if not 0 <= rank < size or len(files) < size:
+                raise ValueError("no such rank, or too few files")
+            share = len(files) // size
+            return files[rank * share:(rank + 1) * share]
+            """,), "visible", ""),
+        "blocks of the rounded-up share": Wrong(("""
+            if not 0 <= rank < size or len(files) < size:
+                raise ValueError("no such rank, or too few files")
+            share = -(-len(files) // size)
+            return files[rank * share:(rank + 1) * share]
+            """,), "hidden", "balance them to within one file"),
+        "by a checksum of the name": Wrong(("""
+            import zlib
+            if not 0 <= rank < size or len(files) < size:
+                raise ValueError("no such rank, or too few files")
+            return [name for name in files if zlib.crc32(name.encode()) % size == rank]
+            """,), "hidden", "balance them to within one file"),
+        "each rank shuffles with its own seed": Wrong(("""
+            import random
+            if not 0 <= rank < size or len(files) < size:
+                raise ValueError("no such rank, or too few files")
+            order = list(files)
+            random.Random(rank).shuffle(order)
+            return order[rank::size]
+            """,), "visible", ""),
+        "a rank past the last one reads nothing": Wrong(("return list(files[rank::size])",), "hidden",
+                                                          "does not exist: raise ValueError"),
+        "fewer files than ranks leaves a rank empty": Wrong(("""
+            if not 0 <= rank < size:
+                raise ValueError(f"rank {rank} is not one of {size} ranks")
+            return list(files[rank::size])
+            """,), "hidden", "leaves a rank with nothing to read"),
+    },
     ("lab3", "ex1-prints-progress", "ex1-tests"): {
         "every even rank prints": Wrong(("return rank % 2 == 0",), "hidden", "only rank 0 prints"),
     },
@@ -186,6 +221,21 @@ EXERCISES = {
 # Right solutions other than the reference, which the graded tests must accept too (the solution regions' code, as
 # in Wrong.bodies).
 ALSO_RIGHT = {
+    ("lab2", "ex3-files", "ex3-tests"): {
+        "balanced contiguous blocks": ("""
+            if not 0 <= rank < size or len(files) < size:
+                raise ValueError("no such rank, or too few files")
+            return files[rank * len(files) // size:(rank + 1) * len(files) // size]
+            """,),
+        "the same shuffle on every rank, then every size-th": ("""
+            import random
+            if not 0 <= rank < size or len(files) < size:
+                raise ValueError("no such rank, or too few files")
+            order = sorted(files)
+            random.Random(42).shuffle(order)
+            return order[rank::size]
+            """,),
+    },
     ("lab3", "ex4-callbacks", "ex4-tests"): {
         # The broadcast acts at the end of the first batch, the averaging at each epoch's end: either order works.
         "the metric average first": (
