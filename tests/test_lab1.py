@@ -55,6 +55,19 @@ def test_lab1_runs_without_errors_and_draws_the_loss_curves_and_surfaces(execute
 
 
 @pytest.mark.slow
+def test_lab1_computes_what_gpt3_costs_on_1_to_8192_gpus_and_draws_the_scaling_laws(executed_lab1):
+    cell = code_cell_containing(executed_lab1, "growth_for_10_percent = ")
+    text, _, images, _ = outputs_of(cell)
+    assert "GPT-3: 6ND = 3.15e+23 operations" in text, text
+    days = {int(gpus): float(days) for gpus, days in re.findall(r"^ *(\d+) GPUs: +([\d.]+) days", text, re.MULTILINE)}
+    assert sorted(days) == [1, 8, 64, 1024, 8192], text
+    assert days[1024] == 28.5 and round(days[1] / 365) == 80, text  # 3.15e23 / (1024 x 312e12 x 0.4) s
+    assert all(abs(days[gpus] * gpus - days[1]) < 0.01 * days[1] for gpus in days), "days must fall as 1/GPUs"
+    assert "10 % lower loss takes 4.0x the parameters, or 3.0x the data" in text, text
+    assert images == 1, "the scaling laws' plot is missing"
+
+
+@pytest.mark.slow
 def test_lab1_every_method_ends_near_w10_b2_with_a_partial_last_minibatch(executed_lab1):
     text, html, _, _ = outputs_of(code_cell_containing(executed_lab1, "runs = {name: train("))
     optimum = re.search(r"least-squares optimum: loss ([\d.]+), w = ([\d.-]+), b = ([\d.-]+)", text)
@@ -108,10 +121,12 @@ def test_lab1_release_has_no_solutions_and_its_exercises_fail_validation(release
     released = released_course / "release" / "lab1" / "lab1_gradient_descent.ipynb"
     text = released.read_text()
     assert "### BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
-    assert text.count("raise NotImplementedError") == 4   # loss, gradient, has_converged, minibatch_indices
+    # training_days, loss, gradient, has_converged, minibatch_indices
+    assert text.count("raise NotImplementedError") == 5
     results = validate(released)
     failed_cells = {failure["source"].splitlines()[0] for failure in results.get("failed", [])}
-    assert len(results.get("failed", [])) == 3, results.keys()
+    assert len(results.get("failed", [])) == 4, results.keys()
+    assert any("GPT-3 on 1,024 A100s" in line for line in failed_cells), failed_cells
     assert any("loss(10.0, 2.0" in line for line in failed_cells), failed_cells
     assert any("has_converged" in line for line in failed_cells), failed_cells
     assert any("minibatch_indices" in line for line in failed_cells), failed_cells

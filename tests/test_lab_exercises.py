@@ -53,6 +53,21 @@ return [np.concatenate([chunks[owner[index]][index] for index in range(p)]) for 
 """
 
 EXERCISES = {
+    ("lab1", "ex0-days", "ex0-tests"): {
+        "the forward pass only (2ND)": Wrong(
+            ("return 2 * parameters * tokens / (gpus * peak_flops * utilisation) / 86_400",), "visible", ""),
+        "the utilisation left out": Wrong(
+            ("return 6 * parameters * tokens / (gpus * peak_flops) / 86_400",), "visible", ""),
+        "seconds, not days": Wrong(("return 6 * parameters * tokens / (gpus * peak_flops * utilisation)",),
+                                   "visible", ""),
+        "nothing refused": Wrong(("return 6 * parameters * tokens / (gpus * peak_flops * utilisation) / 86_400",),
+                                 "hidden", "raise ValueError"),
+        "a utilisation above 1 accepted": Wrong(("""
+            if gpus < 1 or utilisation <= 0 or parameters < 0 or tokens < 0:
+                raise ValueError("cannot be")
+            return 6 * parameters * tokens / (gpus * peak_flops * utilisation) / 86_400
+            """,), "hidden", "'utilisation': 1.5} cannot be: raise ValueError"),
+    },
     ("lab1", "ex1-gradient", "ex1-tests"): {
         "the loss sums the squared errors": Wrong(
             ("return float(np.sum((w * x + b - y) ** 2))", None), "hidden", "the gradient must match the slope"),
