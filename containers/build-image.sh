@@ -12,11 +12,14 @@
 #   IMAGE_CA_BUNDLE=FILE         the certificates the build's downloads trust (podman: mounted over the image's
 #                                bundle during the build only). Default: the host's, $SSL_CERT_FILE or
 #                                /etc/ssl/certs/ca-certificates.crt, so a build behind a TLS-inspecting proxy works.
+#   SCALELAB_TORCH_INDEX=URL     where the CPU image takes PyTorch's CPU build (default: PyTorch's CPU index, or none
+#                                where this host's wheel folders below already hold it)
 #
 # Under podman the build runs with runc when it is installed (crun refuses a cgroup v1/hybrid host), with the host's
 # hard limits on open files and processes (podman's defaults can exceed them: "setrlimit ...: Operation not
 # permitted") and on the host's network, as apt and pip on the host reach their mirrors,
-# and with this machine's Horovod wheel cache mounted (no compiling when `make setup` already did).
+# and with this machine's Horovod wheel cache and pip's local wheel folders (its find-links) mounted: no compiling
+# when `make setup` already did, and the wheels this host's pip has that no index the build reaches may have.
 set -euo pipefail
 
 # podman's default limits can exceed the host's hard ones; the host's open files, and as many processes as podman's
@@ -95,6 +98,24 @@ fi
 wheel_cache="$(dirname "${SCALELAB_BOOTSTRAP_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/scalelab/bootstrap}")/horovod-wheels"
 mkdir -p "$wheel_cache"
 build+=(--volume "$(readlink -f "$wheel_cache"):/root/.cache/scalelab/horovod-wheels")
+# pip's local wheel folders, read-only at the same paths, for setup.sh (SCALELAB_WHEELS); where one holds PyTorch's
+# pinned CPU build, the build needs no index for it.
+torch_version="$(sed -n 's/.*"torch==\([^"]*\)".*/\1/p' pyproject.toml | head -n 1)"
+torch_index=()
+if [ -n "${SCALELAB_TORCH_INDEX+set}" ]; then torch_index=(--build-arg "SCALELAB_TORCH_INDEX=$SCALELAB_TORCH_INDEX"); fi
+wheel_folders=()
+for folder in ${PIP_FIND_LINKS:-$(python3 -m pip config get global.find-links 2>/dev/null || true)}; do
+    folder="${folder#file://}"
+    [ -d "$folder" ] || continue
+    folder="$(readlink -f "$folder")"
+    wheel_folders+=("$folder")
+    build+=(--volume "$folder:$folder:ro")
+    if [ -z "${SCALELAB_TORCH_INDEX+set}" ] && compgen -G "$folder/torch-$torch_version+cpu-*.whl" >/dev/null; then
+        torch_index=(--build-arg "SCALELAB_TORCH_INDEX=")
+    fi
+done
+if [ ${#wheel_folders[@]} -gt 0 ]; then build+=(--build-arg "SCALELAB_WHEELS=${wheel_folders[*]}"); fi
+build+=(${torch_index[@]+"${torch_index[@]}"})
 if [ -n "${IMAGE_BASE:-}" ]; then
     podman image exists "$IMAGE_BASE" || fail "IMAGE_BASE=$IMAGE_BASE is not an image podman has" \
         "(containers/debian-base.sh $IMAGE_BASE makes a Debian 12 one)"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the ScaleLab stack: Debian packages, a virtual environment with the pinned Python packages,
-# Horovod compiled against TensorFlow with Gloo and MPI, and a check of Horovod's build.
+# Horovod compiled against TensorFlow and PyTorch with Gloo and MPI, and a check of Horovod's build.
 # Used by `make setup`, by CI and by both container images: the one install path of the project.
 #
 #   containers/setup.sh [--venv DIR] [--gpu] [--hub] [--system-python] [--framework-from-base] [--skip-apt]
@@ -10,7 +10,8 @@
 #   --hub               the environment of a class server (`make hub`): the course installed as a copy rather than in
 #                       editable mode, so that students' servers never need to read the checkout (it holds the
 #                       solutions)
-#   --gpu               tensorflow[and-cuda] and Horovod with NCCL instead of the CPU build
+#   --gpu               tensorflow[and-cuda], PyTorch's default (CUDA) build and Horovod with NCCL instead of the CPU
+#                       builds
 #   --system-python     install into the chosen interpreter instead of a venv (container images)
 #   --framework-from-base  keep the TensorFlow and Horovod the interpreter already has (the GPU image: NVIDIA's NGC
 #                       build, with NCCL); stop unless they are the pinned releases (TensorFlow's minor release,
@@ -34,6 +35,10 @@
 #   Where nothing works, the script stops before installing anything and says what to do.
 #   (SCALELAB_SHARED_PYTHONS names those shared interpreters, SCALELAB_BOOTSTRAP_DIR where uv goes.)
 # SCALELAB_INSTALLER=pip installs with pip even where uv could (see choose_installer below).
+# SCALELAB_TORCH_INDEX is an extra package index for PyTorch alone. PyPI's torch for Linux is the CUDA build (GBs of
+#   NVIDIA libraries); on a CPU-only host set it to PyTorch's CPU wheel index, https://download.pytorch.org/whl/cpu,
+#   whose torch==X+cpu the pin takes. Unset, torch comes from pip's configured indexes like everything else.
+# SCALELAB_WHEELS: local folders of wheels PyTorch may also come from (an image build: the host's, mounted).
 set -euo pipefail
 
 project_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -493,7 +498,8 @@ fi
 choose_installer
 say "Installing with $installer ($installer_why)"
 
-# TensorFlow from its wheel and Horovod compiled against it, unless the base brought both.
+# TensorFlow and PyTorch from their wheels and Horovod compiled against both, unless the base brought TensorFlow and
+# Horovod (then there is no PyTorch edition).
 if [ "$framework_source" = build ]; then
     if [ "$flavour" = gpu ]; then
         tensorflow_pin="$(pin tensorflow)"
@@ -510,17 +516,35 @@ if [ "$framework_source" = build ]; then
         say "Installing $tensorflow_pin"
         install_pinned "$tensorflow_pin"
     fi
+    # The CPU flavour asks for PyTorch's CPU build by its local label (2.13.0+cpu, which also satisfies the pin
+    # 2.13.0): where no index has it, this stops rather than download PyPI's CUDA build, GBs a CPU never uses.
+    torch_pin="$(pin torch)"
+    if [ "$flavour" = cpu ]; then torch_pin+="+cpu"; fi
+    if [ "$(installed_version torch)" != "${torch_pin##*==}" ]; then
+        torch_index=()
+        if [ -n "${SCALELAB_TORCH_INDEX:-}" ]; then torch_index=(--extra-index-url "$SCALELAB_TORCH_INDEX"); fi
+        for folder in ${SCALELAB_WHEELS:-}; do torch_index+=(--find-links "$folder"); done
+        say "Installing $torch_pin${SCALELAB_TORCH_INDEX:+ (also from $SCALELAB_TORCH_INDEX)}"
+        if ! install_pinned ${torch_index[@]+"${torch_index[@]}"} "$torch_pin"; then
+            if [ "$flavour" = cpu ]; then
+                fail "$torch_pin, PyTorch's CPU build, is in none of pip's indexes; give PyTorch's CPU wheel index:" \
+                    "make setup SCALELAB_TORCH_INDEX=https://download.pytorch.org/whl/cpu"
+            fi
+            fail "could not install $torch_pin"
+        fi
+    fi
 
     horovod_pin="$(pin horovod)"
     horovod_version="${horovod_pin#horovod==}"
     # Horovod is built from its sdist with the fixes in containers/patches/ applied. They set the local version label
     # below, which tells a patched build from a plain one (pip still takes it for the horovod==X.Y.Z pin).
-    horovod_build="$horovod_version+scalelab.1"
+    horovod_build="$horovod_version+scalelab.2"
     # The built wheel is kept, keyed by everything it was compiled against, so that a second venv on this machine
     # (the hub's under /opt next to .venv), or an image podman builds here, installs it in seconds instead of
     # compiling for minutes. A kept wheel whose TensorFlow ops do not load here (built on another system) is removed
     # and Horovod compiled.
-    horovod_wheels="$(dirname "$bootstrap_dir")/horovod-wheels/$flavour-${tensorflow_pin//[^[:alnum:].=_-]/_}-$(
+    compiled_against="$tensorflow_pin-$(installed_version torch)"
+    horovod_wheels="$(dirname "$bootstrap_dir")/horovod-wheels/$flavour-${compiled_against//[^[:alnum:].=_+-]/_}-$(
         cat "$project_root"/containers/patches/horovod-"$horovod_version"-*.patch | sha256sum | cut -c1-16)"
     python_tag="$("$python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
     if [ "$(installed_version horovod)" != "$horovod_build" ]; then
@@ -529,11 +553,16 @@ if [ "$framework_source" = build ]; then
             say "Installing Horovod $horovod_build built earlier on this machine ($horovod_wheel)"
             "${pip[@]}" install -q --no-deps "$horovod_wheel"
             if ! loading="$(TF_CPP_MIN_LOG_LEVEL=2 "$python" - 2>&1 <<'PY'
-# Horovod's TensorFlow ops, loaded as Horovod loads them (its Python dependencies are not installed yet).
+# Horovod's TensorFlow ops and its PyTorch extension, loaded as Horovod loads them (its Python dependencies are not
+# installed yet).
 import importlib.util, pathlib, sysconfig
 import tensorflow as tf
+import torch
 package = pathlib.Path(importlib.util.find_spec("horovod").submodule_search_locations[0])
-tf.load_op_library(str(package / "tensorflow" / ("mpi_lib" + sysconfig.get_config_var("EXT_SUFFIX"))))
+suffix = sysconfig.get_config_var("EXT_SUFFIX")
+tf.load_op_library(str(package / "tensorflow" / ("mpi_lib" + suffix)))
+extension = importlib.util.spec_from_file_location("mpi_lib_v2", package / "torch" / ("mpi_lib_v2" + suffix))
+extension.loader.exec_module(importlib.util.module_from_spec(extension))
 PY
 )"; then
                 say "That wheel does not load here ($(tail -n 1 <<<"$loading")): compiling Horovod instead"
@@ -542,7 +571,7 @@ PY
             fi
         fi
         if [ -z "$horovod_wheel" ]; then
-            say "Building Horovod $horovod_build against TensorFlow with Gloo and MPI (a few minutes)"
+            say "Building Horovod $horovod_build against TensorFlow and PyTorch with Gloo and MPI (a few minutes)"
             horovod_source="$(mktemp -d)"
             trap 'rm -rf "$horovod_source"' EXIT
             "${pip[@]}" download -q --no-deps --no-binary :all: --no-build-isolation -d "$horovod_source" "$horovod_pin"
@@ -550,8 +579,8 @@ PY
             for fix in "$project_root"/containers/patches/horovod-"$horovod_version"-*.patch; do
                 patch --quiet --forward -p1 -d "$horovod_source/horovod-$horovod_version" < "$fix"
             done
-            # --no-build-isolation: Horovod's CMake must import the TensorFlow installed above.
-            env HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
+            # --no-build-isolation: Horovod's CMake must import the TensorFlow and PyTorch installed above.
+            env HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
                 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 MAKEFLAGS="-j$(nproc)" "${horovod_gpu[@]}" \
                 "${pip[@]}" wheel -q --no-deps --no-build-isolation -w "$horovod_source/wheel" \
                 "$horovod_source/horovod-$horovod_version"
@@ -610,7 +639,7 @@ horovodrun="$("$python" -c 'import sysconfig; print(sysconfig.get_path("scripts"
 if [ ! -x "$horovodrun" ] && [ "$framework_source" = base ]; then horovodrun="$(command -v horovodrun)"; fi
 build="$("$horovodrun" --check-build)"
 # The base's build is taken as it is beyond TensorFlow (NGC's has NCCL and its own MPI).
-required="TensorFlow MPI Gloo"
+required="TensorFlow PyTorch MPI Gloo"
 if [ "$framework_source" = base ]; then required=TensorFlow; fi
 for framework in $required; do
     if ! grep -q "\[X\] $framework" <<<"$build"; then

@@ -18,8 +18,9 @@ def test_doctor_reports_the_pinned_stack_and_horovod_build(cifar10_dir, tmp_path
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout.splitlines()
     assert "tensorflow      2.15.1" in out
-    assert "horovod         0.28.1+scalelab.1" in out  # the build with containers/patches/ applied
-    assert "horovod build   TensorFlow yes  MPI yes  Gloo yes  NCCL no" in out
+    assert "torch           2.13.0+cpu" in out
+    assert "horovod         0.28.1+scalelab.2" in out  # the build with containers/patches/ applied
+    assert "horovod build   TensorFlow yes  PyTorch yes  MPI yes  Gloo yes  NCCL no" in out
     assert "Open MPI" in result.stdout
     assert f"mpi rules       {OPENMPI_COLLECTIVE_RULES}" in out
     assert f"data cifar10    {cifar10_dir}/cifar-10-batches-py" in result.stdout
@@ -40,6 +41,19 @@ def test_doctor_fails_with_one_line_per_missing_piece(tmp_path):
         f"silently ignores it; point it at {OPENMPI_COLLECTIVE_RULES}.",
         "problem: CIFAR-10 is not available offline: set SCALELAB_CIFAR10_DIR to a directory "
         "holding cifar-10-batches-py (or let the first run download it)."]
+
+
+def test_doctor_names_a_horovod_built_without_pytorch_where_torch_is_installed(monkeypatch, capsys):
+    from scalelab import cli, environment
+
+    built_for_tensorflow_only = {"TensorFlow": True, "PyTorch": False, "MPI": True, "Gloo": True, "NCCL": False}
+    monkeypatch.setattr(environment, "horovod_build", lambda: built_for_tensorflow_only)
+    assert cli.doctor(None) == cli.EXIT_PROBLEMS
+    out, err = capsys.readouterr()
+    assert "horovod build   TensorFlow yes  PyTorch no  MPI yes  Gloo yes  NCCL no" in out.splitlines()
+    torch_version = environment.package_version("torch")
+    assert f"problem: torch {torch_version} is installed but Horovod was built without PyTorch: pip uninstall " \
+           "horovod, then `make setup`." in err.splitlines()
 
 
 def test_unknown_command_is_a_usage_error():

@@ -402,8 +402,13 @@ def test_make_image_cpu_with_podman_builds_on_a_local_base_with_the_hosts_flags(
     log = tmp_path / "podman.log"
     bundle = tmp_path / "ca.pem"
     bundle.write_text("certificates")
+    # pip's local wheel folder on this host, holding PyTorch's pinned CPU build
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / f"torch-{project_pins()['torch']}+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
     path = engine_path(tmp_path, podman=f'echo "$@" >> {log}', runc="exit 0")
-    built = build_image(tmp_path, path, IMAGE_BASE="localhost/base", IMAGE_CA_BUNDLE=str(bundle))
+    built = build_image(tmp_path, path, IMAGE_BASE="localhost/base", IMAGE_CA_BUNDLE=str(bundle),
+                        PIP_FIND_LINKS=f"{wheels} {tmp_path}/missing")
     assert built.returncode == 0, built.stderr
     argv = log.read_text().splitlines()
     assert argv[0] == "image exists localhost/base"
@@ -415,5 +420,15 @@ def test_make_image_cpu_with_podman_builds_on_a_local_base_with_the_hosts_flags(
                      f"--volume {bundle}:/etc/ssl/certs/ca-certificates.crt:ro", "--ulimit nofile=", "--ulimit nproc=",
                      # the Horovod wheels `make setup` compiled on this machine (HOME is tmp_path here)
                      f"--volume {tmp_path.resolve()}/.cache/scalelab/horovod-wheels:"
-                     "/root/.cache/scalelab/horovod-wheels"):
+                     "/root/.cache/scalelab/horovod-wheels",
+                     # the wheel folder (not the missing one), and no index for PyTorch's CPU build, which it holds
+                     f"--volume {wheels.resolve()}:{wheels.resolve()}:ro",
+                     f"--build-arg SCALELAB_WHEELS={wheels.resolve()}",
+                     "--build-arg SCALELAB_TORCH_INDEX= "):
         assert expected in command, command
+    assert "missing" not in command, command
+    (wheels / f"torch-{project_pins()['torch']}+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").unlink()
+    built = build_image(tmp_path, path, IMAGE_BASE="localhost/base", PIP_FIND_LINKS=str(wheels))
+    assert built.returncode == 0, built.stderr
+    command = log.read_text().splitlines()[-1]
+    assert f"--build-arg SCALELAB_WHEELS={wheels.resolve()}" in command and "SCALELAB_TORCH_INDEX" not in command

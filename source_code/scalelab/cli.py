@@ -45,6 +45,8 @@ def doctor(args: argparse.Namespace) -> int:
     elif facts["tensorflow"] != "2.15.1":
         problems.append(f"TensorFlow is {facts['tensorflow']}; the course needs 2.15.1 "
                         "(Horovod 0.28.1 does not allreduce with Keras 3): run `make setup`.")
+    # The PyTorch edition is optional: an image whose base brings TensorFlow and Horovod alone (the GPU image) has none.
+    print(f"torch           {facts['torch'] or 'missing (no PyTorch edition here: make setup installs it)'}")
     print(f"horovod         {facts['horovod'] or 'missing'}")
     build = environment.horovod_build()
     if build is None:
@@ -54,6 +56,9 @@ def doctor(args: argparse.Namespace) -> int:
         print(f"horovod build   {flags}")
         problems += [f"Horovod was built without {name}: pip uninstall horovod, then `make setup`."
                      for name in ("TensorFlow", "Gloo", "MPI") if not build[name]]
+        if facts["torch"] and not build["PyTorch"]:
+            problems.append(f"torch {facts['torch']} is installed but Horovod was built without PyTorch: "
+                            "pip uninstall horovod, then `make setup`.")
     mpi = environment.mpi_implementation()
     print(f"mpi             {mpi or 'missing'}")
     if mpi is None:

@@ -87,7 +87,7 @@ def horovod_build() -> dict[str, bool] | None:
         return None
     check = subprocess.run([horovodrun, "--check-build"], capture_output=True, text=True, timeout=120)
     return {name: bool(re.search(rf"\[X\] {re.escape(name)}\b", check.stdout))
-            for name in ("TensorFlow", "MPI", "Gloo", "NCCL")}
+            for name in ("TensorFlow", "PyTorch", "MPI", "Gloo", "NCCL")}
 
 
 # Open MPI settings for every `horovodrun --mpi` of the course (the Makefile and the containers export the same).
@@ -148,6 +148,7 @@ def describe() -> dict:
         "host": socket.gethostname(),
         "python": platform.python_version(),
         "tensorflow": tensorflow_version(),
+        "torch": package_version("torch"),
         "horovod": package_version("horovod"),
         "cpu_model": cpu_model(),
         "cpu_count": usable_cores(),
