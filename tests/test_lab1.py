@@ -1,10 +1,13 @@
 """Lab 1 (gradient descent, SGD, minibatches): the solved notebook runs with small settings and draws its plots,
-every method ends near the line it fits, moving the sliders redraws the path, and nbgrader's student release keeps the
-exercises unsolved (validation fails, autograde scores nothing) while the solved source validates and scores full
-marks."""
+every method ends near the line it fits, moving the sliders redraws the path, gradient descent stalls on a saddle
+where gradient noise escapes it, the loss surfaces with and without skip connections are what the notebook says they
+are, and nbgrader's student release keeps the exercises unsolved (validation fails, autograde scores nothing) while
+the solved source validates and scores full marks."""
 
 from __future__ import annotations
 
+import json
+import math
 import re
 
 import nbformat
@@ -16,7 +19,9 @@ from labtools import LABS, code_cell_containing, execute, outputs_of, validate
 
 SOURCE_NOTEBOOK = LABS / "source" / "lab1" / "lab1_gradient_descent.ipynb"
 # GD makes one update per epoch and needs ~270 of them at learning rate 0.1; an epoch costs milliseconds.
-SMALL_SETTINGS = dict(NUM_POINTS=500, MAX_EPOCHS=300)
+# The landscape's two networks: 3 blocks, one epoch on 1,000 images, a 5 x 5 grid on 128 images (seconds).
+SMALL_SETTINGS = dict(NUM_POINTS=500, MAX_EPOCHS=300, LANDSCAPE_TRAIN_IMAGES=1000, LANDSCAPE_EPOCHS=1,
+                      LANDSCAPE_BLOCKS=3, LANDSCAPE_EVAL_IMAGES=128, LANDSCAPE_GRID=5)
 BATCH_SIZES = [16, 32, 64, 128]
 
 
@@ -28,11 +33,50 @@ sliders["learning rate"].value = 0.01
 sliders["batch size"].value = 1
 """
 
+# Appended too: recomputes what the landscape section printed from its own variables, independently of its code
+# (and leaves the toy problem's `surface`, which the sliders' redraw needs, alone).
+CHECK_THE_LANDSCAPE = """
+import json
+
+
+def filter_norms_of(array):
+    return np.sqrt(np.sum(np.asarray(array, dtype=np.float64) ** 2, axis=tuple(range(array.ndim - 1))))
+
+
+landscape_check = {}
+for name, model in landscape_models.items():
+    weights, grid_surface = model.get_weights(), landscape_surfaces[name]
+    spacing, middle = landscape_coordinates[1] - landscape_coordinates[0], len(landscape_coordinates) // 2
+    def hessian_at(row, column):
+        here = grid_surface[row, column]
+        along_alpha = grid_surface[row, column + 1] - 2 * here + grid_surface[row, column - 1]
+        along_beta = grid_surface[row + 1, column] - 2 * here + grid_surface[row - 1, column]
+        mixed = (grid_surface[row + 1, column + 1] - grid_surface[row + 1, column - 1]
+                 - grid_surface[row - 1, column + 1] + grid_surface[row - 1, column - 1]) / 4
+        return np.array([[along_alpha, mixed], [mixed, along_beta]]) / spacing**2
+
+    non_convex = sum(np.linalg.eigvalsh(hessian_at(row, column))[0] < 0
+                     for row in range(1, grid_surface.shape[0] - 1) for column in range(1, grid_surface.shape[1] - 1))
+    landscape_check[name] = dict(
+        shape=list(grid_surface.shape), centre=grid_surface[middle, middle], border=float(np.mean(np.concatenate(
+            [grid_surface[0], grid_surface[-1], grid_surface[1:-1, 0], grid_surface[1:-1, -1]]))),
+        fresh_loss=float(cross_entropy(landscape_eval_labels, model(landscape_eval_images, training=False))),
+        filters_normalised=all(np.allclose(filter_norms_of(d), filter_norms_of(w), rtol=1e-4)
+                               for direction in landscape_directions[name] for d, w in zip(direction, weights)
+                               if w.ndim > 1),
+        one_d_zero=all(not np.any(d) for direction in landscape_directions[name] for d in direction if d.ndim == 1),
+        directions_differ=not np.allclose(landscape_directions[name][0][0], landscape_directions[name][1][0]),
+        non_convex=int(non_convex))
+print("LANDSCAPE CHECK " + json.dumps(landscape_check))
+"""
+
 
 @pytest.fixture(scope="module")
 def executed_lab1(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("lab1")
     notebook = nbformat.read(SOURCE_NOTEBOOK, as_version=4)
+    # The sliders last: their redraw lands in the Output widget while the kernel is otherwise idle.
+    notebook.cells.append(new_code_cell(CHECK_THE_LANDSCAPE))
     notebook.cells.append(new_code_cell(MOVE_THE_SLIDERS))
     with_slider_moves = workdir / SOURCE_NOTEBOOK.name
     nbformat.write(notebook, with_slider_moves)
@@ -49,7 +93,8 @@ def test_lab1_source_is_committed_without_outputs_and_with_a_parameters_cell():
 def test_lab1_runs_without_errors_and_draws_the_loss_curves_and_surfaces(executed_lab1):
     errors = [error for cell in executed_lab1.cells for error in outputs_of(cell)[3]]
     assert errors == []
-    for plot in ('title="loss per epoch"', "loss surface (contours)", 'projection="3d"'):
+    for plot in ('title="loss per epoch"', "loss surface (contours)", 'zlabel="loss"',
+                 'title="loss per step: the plateau', "log10 of the training loss", 'zlabel="log10 loss"'):
         _, _, images, _ = outputs_of(code_cell_containing(executed_lab1, plot))
         assert images == 1, f"the cell drawing {plot} shows no plot"
 
@@ -112,6 +157,62 @@ def test_lab1_moving_the_learning_rate_and_batch_size_sliders_redraws_the_path(e
     assert sum("image/png" in output.get("data", {}) for output in outputs) == 1, "the redrawn path is not plotted"
 
 
+@pytest.mark.slow
+def test_lab1_gradient_descent_stalls_on_the_saddle_where_gradient_noise_escapes(executed_lab1):
+    text, _, images, _ = outputs_of(code_cell_containing(executed_lab1, "saddle_runs = {"))
+    predicted = float(re.search(r"off: about (\d+) steps near the saddle", text).group(1))
+    # Linearised at the saddle an offset of 1e-6 grows by 1 + 2 x 0.05 per step until the loss is 0.25.
+    assert abs(predicted - math.log(math.sqrt(1 - 1 / math.sqrt(2)) / 1e-6) / math.log(1.1)) < 1, text
+    runs = {name.strip(): (left, float(loss)) for name, left, loss in re.findall(
+        r"^(GD on the stable manifold|GD started 1e-6 off it|SGD \(gradient noise 1\)) +(.+?); "
+        r"ends at u = [\d.-]+, v = [\d.-]+, loss ([\d.]+)$", text, re.MULTILINE)}
+    assert len(runs) == 3, text
+    stalled, loss = runs["GD on the stable manifold"]
+    assert stalled == "still at the saddle after 300 steps" and loss == 0.5, "on v = 0 GD must end on the saddle"
+    crept, loss = runs["GD started 1e-6 off it"]
+    crept_steps = int(re.fullmatch(r"left the saddle after (\d+) steps", crept).group(1))
+    assert abs(crept_steps - predicted) <= 0.1 * predicted and loss < 1e-3, f"it leaves after {crept_steps} steps"
+    escaped, loss = runs["SGD (gradient noise 1)"]
+    escaped_steps = int(re.fullmatch(r"left the saddle after (\d+) steps", escaped).group(1))
+    assert escaped_steps < predicted / 3 and loss < 0.25, "gradient noise must push SGD off the saddle early"
+    assert images == 1
+
+
+@pytest.mark.slow
+def test_lab1_loss_surfaces_with_and_without_skips_are_what_the_notebook_prints(executed_lab1):
+    text, _, _, _ = outputs_of(code_cell_containing(executed_lab1, "landscape_models, landscape_seconds = {}, {}"))
+    trained = dict(re.findall(r"^(with(?:out)? skip connections) +([\d,]+) parameters; after 1,000 images", text,
+                              re.MULTILINE))
+    assert len(trained) == 2, text
+    assert trained["with skip connections"] == trained["without skip connections"], "a skip adds no parameter"
+
+    text, _, images, _ = outputs_of(code_cell_containing(executed_lab1, "def loss_surface("))
+    printed = {name: (float(centre), int(non_convex), int(points)) for name, centre, non_convex, points in re.findall(
+        r"^(with(?:out)? skip connections) +loss at theta\* ([\d.]+) .*; non-convex at (\d+) of (\d+) points",
+        text, re.MULTILINE)}
+    checked = outputs_of(code_cell_containing(executed_lab1, "LANDSCAPE CHECK")).text
+    check = json.loads(re.search(r"^LANDSCAPE CHECK (.+)$", checked, re.MULTILINE).group(1))
+    assert set(printed) == set(check) == {"with skip connections", "without skip connections"}, text
+    grid = SMALL_SETTINGS["LANDSCAPE_GRID"]
+    for name, (centre, non_convex, points) in printed.items():
+        measured = check[name]
+        assert measured["shape"] == [grid, grid] and points == (grid - 2) ** 2, name
+        # The middle of the grid is the trained weights, which the grid evaluation puts back.
+        assert abs(measured["fresh_loss"] - measured["centre"]) < 1e-4 and centre == round(measured["centre"], 3), name
+        assert 0.05 < centre < 3, f"{name}: a loss of {centre} after training is not a trained network's"
+        assert measured["border"] > 2 * centre, f"{name}: the loss must rise a step of one filter norm away"
+        assert measured["filters_normalised"] and measured["one_d_zero"] and measured["directions_differ"], name
+        assert non_convex == measured["non_convex"], f"{name}: printed {non_convex} non-convex points"
+    shares = {name: non_convex / points for name, (_, non_convex, points) in printed.items()}
+    with_skips, without_skips = shares["with skip connections"], shares["without skip connections"]
+    if abs(with_skips - without_skips) < 0.1:
+        assert "about equally convex" in text, text
+    else:
+        less_convex = "without" if without_skips > with_skips else "with"
+        assert f"the surface {less_convex} skip connections is the less convex one" in text, text
+    assert images == 1, "the two contour plots side by side are one figure"
+
+
 @pytest.fixture(scope="module")
 def released_course(tmp_path_factory):
     return labtools.released_course(tmp_path_factory, "lab1")
@@ -121,15 +222,16 @@ def test_lab1_release_has_no_solutions_and_its_exercises_fail_validation(release
     released = released_course / "release" / "lab1" / "lab1_gradient_descent.ipynb"
     text = released.read_text()
     assert "### BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
-    # training_days, loss, gradient, has_converged, minibatch_indices
-    assert text.count("raise NotImplementedError") == 5
+    # training_days, loss, gradient, has_converged, minibatch_indices, filter_normalised_direction
+    assert text.count("raise NotImplementedError") == 6
     results = validate(released)
     failed_cells = {failure["source"].splitlines()[0] for failure in results.get("failed", [])}
-    assert len(results.get("failed", [])) == 4, results.keys()
+    assert len(results.get("failed", [])) == 5, results.keys()
     assert any("GPT-3 on 1,024 A100s" in line for line in failed_cells), failed_cells
     assert any("loss(10.0, 2.0" in line for line in failed_cells), failed_cells
     assert any("has_converged" in line for line in failed_cells), failed_cells
     assert any("minibatch_indices" in line for line in failed_cells), failed_cells
+    assert any("whose last filter is 10x larger" in line for line in failed_cells), failed_cells
 
 
 @pytest.mark.slow

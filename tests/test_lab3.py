@@ -20,9 +20,13 @@ SOURCE_NOTEBOOK = LAB_FOLDER / "lab3_horovod.ipynb"
 STUDENT_SCRIPT_NAME = "fashion_mnist_student.py"
 SOLUTION_SCRIPT = PROJECT_ROOT / "source_code" / "fashion_mnist_horovod.py"
 SMALL_SETTINGS = dict(STEP_EPOCHS=1, STEP_TRAIN_IMAGES=512, VAL_IMAGES=256, SWEEP_EPOCHS=2,
-                      SWEEP_TRAIN_IMAGES=1024, NP_LIST=[1, 2], CONTROLLER="--gloo")
-# The exercises and the conversion checks: 5 + 6 points and 9 + 3 points.
-GRADED_CELLS, POINTS = 15, 18
+                      SWEEP_TRAIN_IMAGES=1024, NP_LIST=[1, 2], CONTROLLER="--gloo",
+                      PRACTICE_EPOCHS=4, PRACTICE_TRAIN_IMAGES=512)
+# The exercises and the conversion checks: 6 cells, 8 points, and 10 cells, 12 points.
+GRADED_CELLS, POINTS = 16, 20
+# "Horovod in practice" at the small settings: 512 images, 64 per step on each of 2 ranks; the first job dies halfway.
+PRACTICE_STEPS_PER_EPOCH, KILLED_AFTER = 512 // (64 * 2), 4 // 2
+PRACTICE_SCRIPTS = ("resume_demo.py", "elastic_demo.py")
 
 pytestmark = pytest.mark.slow
 
@@ -102,6 +106,73 @@ def test_lab3_gpu_section_runs_nvidia_smi_or_shows_the_recorded_example(executed
     assert "GPUs on this machine" in text or ("No GPU here" in text and "NVIDIA H100" in text)
 
 
+def test_lab3_resumes_the_killed_job_at_the_epoch_of_its_newest_checkpoint(executed_lab3):
+    text = outputs_of(executed_lab3).text
+    assert f"the last rank dies after epoch {KILLED_AFTER}" in text
+    assert re.search(r"horovodrun exited with status [1-9]", text), "the killed job must fail"
+    # Rank 0 wrote a checkpoint of each finished epoch, and nothing of the one the job died in.
+    assert "left in resume_killed/: checkpoint-epoch001.keras, checkpoint-epoch002.keras, history.jsonl" in text
+    assert (f"resuming from checkpoint-epoch002.keras: epoch 2 of 4 done, optimizer step "
+            f"{KILLED_AFTER * PRACTICE_STEPS_PER_EPOCH}; the same epoch, step and weights on all 2 ranks: True") in text
+    resumed_job = text.split("resuming from", 1)[1].split("$ horovodrun", 1)[0]
+    assert re.findall(r"epoch (\d)/4 ", resumed_job) == ["3", "4"], "the resumed job trains the epochs left, only"
+
+
+def test_lab3_resumed_job_ends_exactly_where_the_straight_one_does(executed_lab3):
+    outputs = outputs_of(executed_lab3)
+    [table] = [fragment for fragment in outputs.html if "<caption>killed and resumed" in fragment]
+    rows = re.findall(r"<tr><td>(\d+)</td><td>(killed job|resumed job)</td><td>(\d+)</td><td>([\d.e-]+)</td>"
+                      r"<td>([\d.]+)</td><td>([\d.]+)</td><td>(True|False)</td></tr>", table)
+    assert [(epoch, by) for epoch, by, *_ in rows] == [("1", "killed job"), ("2", "killed job"), ("3", "resumed job"),
+                                                       ("4", "resumed job")]
+    assert [int(row[2]) for row in rows] == [PRACTICE_STEPS_PER_EPOCH * epoch for epoch in (1, 2, 3, 4)]
+    assert {row[6] for row in rows} == {"True"}, "every epoch's figures equal the straight job's"
+    rates = [float(row[3]) for row in rows]
+    # The schedule went on (a step decay after epoch 2) instead of starting its warmup again (back up to the peak).
+    assert rates[2] < rates[1] and rates[3] < rates[2]
+    assert "resumed job: rank 0 and rank 1 end with identical weights: True" in outputs.text
+    assert "resumed job against straight job, weight for weight: identical True (largest difference 0)" in outputs.text
+    assert outputs.images >= 4, "the two plots of Horovod in practice, after the two before"
+
+
+def test_lab3_shows_hvd_load_model_failing_on_the_checkpoint_as_the_text_says(executed_lab3):
+    text = outputs_of(executed_lab3).text
+    assert re.search(r"hvd\.load_model\(checkpoint-epoch002\.keras\) fails with Horovod 0\.28\.\S+ and TensorFlow "
+                     r"2\.15\.\d+:\n +TypeError: Could not locate class 'SGD'", text)
+
+
+def test_lab3_applies_the_students_resume_plan_to_the_killed_jobs_folder(executed_lab3):
+    text = outputs_of(executed_lab3).text
+    step = KILLED_AFTER * PRACTICE_STEPS_PER_EPOCH
+    assert (f"your plan, rank 0: {{'load': 'checkpoint-epoch002.keras', 'initial_epoch': 2, 'initial_step': {step}}}"
+            in text)
+    assert f"your plan, rank 1: {{'load': None, 'initial_epoch': 2, 'initial_step': {step}}}" in text
+    assert "your plan agrees with what the script did: True" in text
+
+
+def test_lab3_elastic_job_loses_a_worker_and_goes_on_from_the_last_commit(executed_lab3):
+    outputs = outputs_of(executed_lab3)
+    text = outputs.text
+    assert "--network-interface lo python elastic_demo.py" in text
+    assert f"epoch {KILLED_AFTER} done: waiting up to" in text
+    assert "localhost[1] has been removed from elastic job" in text
+    assert (f"reset: the job now has 1 rank(s); training goes on from the last commit (epoch {KILLED_AFTER} done, "
+            "batch 0 of the next)") in text
+    assert re.findall(r"epoch (\d)/4  ranks (\d)", text) == [("1", "2"), ("2", "2"), ("3", "1"), ("4", "1")]
+    assert "done: 4 epochs, 1 rank(s) at the end" in text
+    [table] = [fragment for fragment in outputs.html if "<caption>elastic job" in fragment]
+    rows = re.findall(r"<tr><td>([\d.]+)</td><td>(\w+)</td><td>(\d+)</td><td>(\d)</td><td>(\d*)</td><td>([\d.]*)</td>",
+                      table)
+    assert [(event, done, ranks) for _, event, done, ranks, *_ in rows] == [
+        ("start", "0", "2"), ("epoch", "1", "2"), ("epoch", "2", "2"), ("reset", "2", "1"), ("epoch", "3", "1"),
+        ("epoch", "4", "1")]
+    # One rank left: each epoch takes it twice the steps.
+    steps = [int(row[4]) for row in rows if row[1] == "epoch"]
+    assert steps == [PRACTICE_STEPS_PER_EPOCH] * 2 + [2 * PRACTICE_STEPS_PER_EPOCH] * 2
+    seconds = [float(row[0]) for row in rows]
+    assert seconds == sorted(seconds)
+
+
 @pytest.fixture(scope="module")
 def released_course(tmp_path_factory):
     return labtools.released_course(tmp_path_factory, "lab3")
@@ -120,6 +191,11 @@ def test_lab3_release_ships_the_fixme_script_has_no_solutions_and_its_checks_fai
     results = validate(released / "lab3_horovod.ipynb")
     # Every exercise and every conversion check fails on the unsolved notebook and the FIXME script.
     assert len(results.get("failed", [])) == GRADED_CELLS, results.keys()
+
+
+def test_lab3_release_ships_the_scripts_of_horovod_in_practice(released_course):
+    for name in PRACTICE_SCRIPTS:
+        assert (released_course / "release" / "lab3" / name).read_bytes() == (LAB_FOLDER / name).read_bytes()
 
 
 def test_lab3_solved_source_passes_validation(released_course):

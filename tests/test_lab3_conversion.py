@@ -79,7 +79,7 @@ def test_each_conversion_step_has_a_graded_cell_and_the_points_add_up():
               if cell.metadata.get("nbgrader", {}).get("grade")}
     assert {grade_id for grade_id in graded if grade_id.startswith("conv-")} == {*CELLS.values(), TWO_RANKS_CELL}
     assert sum(graded[cell] for cell in CELLS.values()) == 9 and graded[TWO_RANKS_CELL] == 3
-    assert sum(graded.values()) == 18
+    assert sum(graded.values()) == 20, "the conversion's 12 points and the 6 exercises' 8"
     # The hidden tests ask the step's question of the graded run; the visible part only hints.
     for step, grade_id in {**CELLS, "two_ranks": TWO_RANKS_CELL}.items():
         whole, visible = graded_cell(grade_id)
@@ -186,4 +186,5 @@ def test_autograde_grades_the_students_script_not_the_released_copy(tmp_path_fac
         with Gradebook(f"sqlite:///{course / 'gradebook.db'}", course_id="scalelab") as gradebook:
             submission = gradebook.find_submission("lab3", student)
             scores[student] = (submission.score, submission.max_score)
-    assert scores == {"converter": (18.0, 18.0), "idler": (6.0, 18.0)}
+    # The idler keeps the exercises' 8 points (the solved notebook) and loses the script's 12.
+    assert scores == {"converter": (20.0, 20.0), "idler": (8.0, 20.0)}

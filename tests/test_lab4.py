@@ -1,11 +1,13 @@
 """Lab 4 (communication): the α-β cost models of scalelab.comm, the solved notebook run end to end with small
 settings (a real `horovodrun` allreduce sweep included, the allreduce pictures, the scaling prediction next to the
-recorded GPU runs and its sliders), its quiz feedback, and nbgrader's student release failing validation while the
+recorded GPU runs and its sliders; section 7's Gloo-against-MPI sweeps, Horovod timeline, fp16 compression and
+hierarchical allreduce model), its quiz feedback, and nbgrader's student release failing validation while the
 solved source passes."""
 
 from __future__ import annotations
 
 import csv
+import json
 import re
 import shutil
 
@@ -22,7 +24,8 @@ from scalelab import comm
 LAB_FOLDER = LABS / "source" / "lab4"
 SOURCE_NOTEBOOK = LAB_FOLDER / "lab4_communication.ipynb"
 SMALL_SETTINGS = dict(SWEEP_NP=2, SWEEP_MAX_BYTES=2**20, SWEEP_REPEATS=3, CONTROLLER="--gloo", SIM_WORKERS=[4, 16],
-                      SIM_GRADIENTS=1000, STEP_TIMING_REPEATS=5)
+                      SIM_GRADIENTS=1000, STEP_TIMING_REPEATS=5, PRACTICE_STEPS=4, COMPRESSION_BYTES=[4096, 262144],
+                      COMPRESSION_REPEATS=3)
 QUIZ_ANSWERS = {"answer_ring_cost": '{"a", "c", "d"}', "answer_node_batch": '{"a", "b", "c", "f"}'}
 
 
@@ -97,8 +100,9 @@ def test_lab4_runs_without_errors_and_draws_its_plots(executed_lab4):
     text, _, images, errors = outputs_of(executed_lab4[0])
     assert errors == []
     # tree, butterfly and ring pictures, cost model (2 panels), sweep, sync vs async, two node-batch bar charts, the
-    # scaling prediction with the GPU cluster's and with this machine's figures
-    assert images >= 10
+    # scaling prediction with the GPU cluster's and with this machine's figures; section 7: Gloo against MPI, the
+    # timeline's Gantt chart, fp16 compression, the hierarchical allreduce model
+    assert images >= 14
     assert "data parallel  == one device: True" in text and "model parallel == one device: True" in text
     assert "rank 0 sent 96 bytes in 6 steps; the model: 96 bytes in 6 steps" in text
 
@@ -206,6 +210,122 @@ def test_lab4_prediction_sliders_start_at_the_measured_figures_and_redraw_for_ne
     assert float(measured_line.group(1)) == pytest.approx(float(fitted.group(1)), rel=0.05, abs=0.01)
 
 
+# ------------------------------------------------------------------ section 7: Horovod in practice
+
+def cell_after(notebook: nbformat.NotebookNode, grade_id: str) -> nbformat.NotebookNode:
+    """The code cell that follows the markdown cell ``grade_id``."""
+    index = next(i for i, cell in enumerate(notebook.cells)
+                 if cell.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+    return next(cell for cell in notebook.cells[index + 1:] if cell.cell_type == "code")
+
+
+def read_csv(path) -> list[dict]:
+    with path.open() as handle:
+        return [{key: float(value) for key, value in row.items()} for row in csv.DictReader(handle)]
+
+
+@pytest.mark.slow
+def test_lab4_sweeps_gloo_and_mpi_and_fits_each_from_its_own_measurements(executed_lab4):
+    notebook, workdir = executed_lab4
+    text, html, images, errors = outputs_of(cell_after(notebook, "backends-md"))
+    assert errors == [] and images == 1
+    assert "$ horovodrun -np 2 --mpi python allreduce_bandwidth.py" in text
+    # This machine's Open MPI reaches a rank of the same node through its shared-memory BTL, single copy by CMA.
+    assert "between two ranks of this node Open MPI's ob1 sends through 'vader'" in text
+    assert "(single copy: cma)" in text
+    runs = workdir / "lab4_runs"
+    gloo, mpi = read_csv(runs / "allreduce_np2.csv"), read_csv(runs / "allreduce_np2_mpi.csv")
+    assert [row["message_bytes"] for row in mpi] == [row["message_bytes"] for row in gloo] and len(mpi) == 10
+    rows = table_rows(next(fragment for fragment in html if "fitted α (µs)" in fragment))
+    assert [row[0] for row in rows] == ["--gloo", "--mpi"] and rows[1][1] == "Open MPI (vader)"
+    # The table's α and 1/β are each backend's fit to its own CSV.
+    for row, measured in zip(rows, (gloo, mpi)):
+        alpha, beta = comm.fit_alpha_beta([r["message_bytes"] for r in measured], [r["median_s"] for r in measured], 2)
+        assert row[2] == f"{alpha * 1e6:.0f}" and row[3] == f"{1 / beta / 1e9:.2f}"
+        assert row[5] == f"{measured[-1]['bus_gb_per_s']:.3f}"
+    assert re.search(r"--mpi moved [\d.]+ times the bytes per second of --gloo", text)
+
+
+def reference_spans(events: list[dict]) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """tensor -> phase -> its (start, end) in µs: the timeline read independently of the notebook's exercise."""
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and "name" in e.get("args", {})}
+    stacks, found = {}, {}
+    for event in events:
+        if event.get("ph") == "B":
+            stacks.setdefault(event["pid"], []).append(event)
+        elif event.get("ph") == "E" and stacks.get(event["pid"]):
+            begin = stacks[event["pid"]].pop()
+            found.setdefault(names[event["pid"]], {}).setdefault(begin["name"], []).append((begin["ts"], event["ts"]))
+    return found
+
+
+@pytest.mark.slow
+def test_lab4_reads_the_real_timeline_into_fused_allreduces_per_step(executed_lab4):
+    notebook, workdir = executed_lab4
+    text, html, images, errors = outputs_of(code_cell_containing(notebook, "def fused_operations("))
+    assert errors == [] and images == 1
+    practice = json.loads((workdir / "lab4_runs" / "practice.json").read_text())
+    gradient_bytes = sum(gradient["bytes"] for gradient in practice["gradients"])
+    assert len(practice["gradients"]) == 12 and gradient_bytes == 1_871_272      # the course's small CNN
+    assert (f"12 gradient tensors ({gradient_bytes:,} bytes), each allreduced 4 times: once per training step"
+            in text)
+    timeline = json.loads((workdir / "lab4_runs" / "timeline.json").read_text())
+    spans = reference_spans(timeline)
+    gradients = [tensor for tensor in spans if "HorovodAllreduce_grads_" in tensor]
+    assert len(gradients) == 12 and all(len(spans[tensor]["ALLREDUCE"]) == 4 for tensor in gradients)
+    assert not any("fp16" in tensor or "barrier" in tensor for tensor in spans)   # stopped before the fp16 part
+    rows = table_rows(next(fragment for fragment in html if "allreduce operations" in fragment))
+    assert len(rows) == 4
+    for step, row in enumerate(rows):
+        # Fused operations recounted from the file: the ALLREDUCE spans of one operation overlap.
+        intervals, operations = sorted(spans[tensor]["ALLREDUCE"][step] for tensor in gradients), []
+        for start, end in intervals:
+            if operations and start < operations[-1][1]:
+                operations[-1] = (operations[-1][0] + 1, max(operations[-1][1], end))
+            else:
+                operations.append((1, end))
+        assert int(row[1]) == len(operations) and 1 <= len(operations) <= 12
+        assert sorted(int(count) for count in row[2].split(" + ")) == sorted(count for count, _ in operations)
+        assert sum(int(size.replace(",", "")) for size in row[3].split(" + ")) == gradient_bytes
+        negotiation, allreduce = float(row[4]), float(row[5])
+        assert negotiation > 0 and allreduce >= float(row[6]) > 0
+    assert re.search(r"steps 2-4: [\d.]+ allreduce operations per step for 12 tensors", text)
+
+
+@pytest.mark.slow
+def test_lab4_measures_fp16_compression_error_and_float16s_range(executed_lab4):
+    notebook, workdir = executed_lab4
+    text, html, images, errors = outputs_of(cell_after(notebook, "fp16-md"))
+    assert errors == [] and images == 1
+    practice = json.loads((workdir / "lab4_runs" / "practice.json").read_text())
+    rows = {(row["message_bytes"], row["compression"]): row for row in practice["compression"]}
+    assert set(rows) == {(size, label) for size in (4096, 262144) for label in ("none", "fp16")}
+    for size in (4096, 262144):
+        assert rows[size, "none"]["relative_error"] < 1e-6                 # float32 rounding only
+        assert 1e-5 < rows[size, "fp16"]["relative_error"] < 2e-3           # float16's 11 significant bits
+        assert rows[size, "fp16"]["result_dtype"] == "float32"              # decompressed back to the input's type
+    measured = table_rows(next(fragment for fragment in html if "fp16 / none" in fragment))
+    assert [row[0] for row in measured] == ["4,096", "262,144"]
+    assert "float16: 11 significant bits (relative rounding error up to 4.9e-04), largest 65504" in text
+    cast = {row[0]: row for row in table_rows(next(fragment for fragment in html if "values become 0" in fragment))}
+    assert cast["0.01"][2] == "0.0%" and float(cast["0.01"][1]) < 1e-3
+    assert float(cast["1e-08"][2].rstrip("%")) > 90                          # below float16's smallest subnormal
+
+
+@pytest.mark.slow
+def test_lab4_models_flat_against_hierarchical_allreduce_on_a_gpu_cluster(executed_lab4):
+    text, _, images, errors = outputs_of(cell_after(executed_lab4[0], "hierarchical-md"))
+    assert errors == [] and images == 1
+    # 16 nodes x 8 GPUs, network α 5 µs and 12.5 GB/s, inside a node 2 µs and 100 GB/s: the figures the text quotes.
+    assert ("1 MB on 16 nodes x 8 GPUs: flat ring 1.43 ms, hierarchical, 1 network link per node 0.35 ms, "
+            "hierarchical, 8 network links per node 0.21 ms") in text
+    assert ("102 MB on 16 nodes x 8 GPUs: flat ring 17.53 ms, hierarchical, 1 network link per node 17.33 ms, "
+            "hierarchical, 8 network links per node 3.89 ms") in text
+    efficiency = re.search(r"scaling efficiency: flat ring ([\d.]+), hierarchical, 1 network link per node ([\d.]+), "
+                           r"hierarchical, 8 network links per node ([\d.]+)", text)
+    assert efficiency and float(efficiency.group(1)) < float(efficiency.group(2)) < float(efficiency.group(3)) <= 1
+
+
 @pytest.mark.slow
 def test_lab4_quiz_accepts_the_right_answers_and_explains_wrong_ones():
     source = nbformat.read(SOURCE_NOTEBOOK, as_version=4)
@@ -226,12 +346,13 @@ def released_course(tmp_path_factory):
 def test_lab4_release_ships_the_sweep_script_has_no_solutions_and_fails_validation(released_course):
     released = released_course / "release" / "lab4"
     assert (released / "allreduce_bandwidth.py").is_file() and (released / "recorded_gpu_scaling.csv").is_file()
+    assert (released / "horovod_in_practice.py").is_file()
     text = (released / "lab4_communication.ipynb").read_text()
     assert "### BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
     assert "raise NotImplementedError" in text
     results = validate(released / "lab4_communication.ipynb")
-    # two exercises and two quiz questions, each unanswered
-    assert len(results.get("failed", [])) == 4, results.keys()
+    # three exercises and two quiz questions, each unanswered
+    assert len(results.get("failed", [])) == 5, results.keys()
 
 
 @pytest.mark.slow

@@ -96,6 +96,107 @@ EXERCISES = {
             return [order[start:start + batch_size] for start in range(0, num_examples, batch_size)]
             """,), "hidden", "the order must come from the rng you are given"),
     },
+    ("lab1", "ex4-direction", "ex4-tests"): {
+        "each whole layer scaled to the layer's norm": Wrong(("""
+            return [np.zeros_like(w) if w.ndim == 1 else
+                    (lambda d: d * np.linalg.norm(w) / np.linalg.norm(d))(rng.standard_normal(w.shape))
+                    for w in weights]
+            """,), "visible", ""),
+        "filters taken along the input channels": Wrong(("""
+            direction = []
+            for w in weights:
+                if w.ndim == 1:
+                    direction.append(np.zeros_like(w))
+                    continue
+                d = rng.standard_normal(w.shape)
+                axes = tuple(axis for axis in range(w.ndim) if axis != w.ndim - 2)
+                d *= np.sqrt(np.sum(w**2, axis=axes, keepdims=True)) / np.sqrt(np.sum(d**2, axis=axes, keepdims=True))
+                direction.append(d)
+            return direction
+            """,), "visible", ""),
+        "filters along the first axis, as in PyTorch": Wrong(("""
+            direction = []
+            for w in weights:
+                d = rng.standard_normal(w.shape)
+                if w.ndim == 1:
+                    d[:] = 0
+                else:
+                    for d_filter, w_filter in zip(d, w):
+                        d_filter *= np.linalg.norm(w_filter) / np.linalg.norm(d_filter)
+                direction.append(d)
+            return direction
+            """,), "visible", ""),
+        "each filter scaled to unit norm": Wrong(("""
+            direction = []
+            for w in weights:
+                d = rng.standard_normal(w.shape)
+                if w.ndim == 1:
+                    direction.append(np.zeros_like(w))
+                else:
+                    direction.append(d / np.sqrt(np.sum(d**2, axis=tuple(range(w.ndim - 1)))))
+            return direction
+            """,), "visible", ""),
+        "biases and batch norm left random": Wrong(("""
+            direction = []
+            for w in weights:
+                d = rng.standard_normal(w.shape)
+                if w.ndim > 1:
+                    axes = tuple(range(w.ndim - 1))
+                    d *= np.sqrt(np.sum(w**2, axis=axes)) / np.sqrt(np.sum(d**2, axis=axes))
+                direction.append(d)
+            return direction
+            """,), "hidden", "get a zero direction"),
+        "drawn with the global np.random": Wrong(("""
+            direction = []
+            for w in weights:
+                if w.ndim == 1:
+                    direction.append(np.zeros_like(w))
+                    continue
+                d = np.random.standard_normal(w.shape)
+                axes = tuple(range(w.ndim - 1))
+                direction.append(d * np.sqrt(np.sum(w**2, axis=axes)) / np.sqrt(np.sum(d**2, axis=axes)))
+            return direction
+            """,), "hidden", "the same seed must give the same direction"),
+        "a new generator with a fixed seed": Wrong(("""
+            fixed_rng = np.random.default_rng(0)
+            direction = []
+            for w in weights:
+                if w.ndim == 1:
+                    direction.append(np.zeros_like(w))
+                    continue
+                d = fixed_rng.standard_normal(w.shape)
+                axes = tuple(range(w.ndim - 1))
+                direction.append(d * np.sqrt(np.sum(w**2, axis=axes)) / np.sqrt(np.sum(d**2, axis=axes)))
+            return direction
+            """,), "hidden", "two calls on the same generator must give two different directions"),
+        "the biases zeroed in place": Wrong(("""
+            direction = []
+            for w in weights:
+                if w.ndim == 1:
+                    w *= 0
+                    direction.append(w)
+                    continue
+                d = rng.standard_normal(w.shape)
+                axes = tuple(range(w.ndim - 1))
+                direction.append(d * np.sqrt(np.sum(w**2, axis=axes)) / np.sqrt(np.sum(d**2, axis=axes)))
+            return direction
+            """,), "hidden", "the weights must stay as they were"),
+        "only conv kernels normalised, dense kernels left out": Wrong(("""
+            direction = []
+            for w in weights:
+                if w.ndim != 4:
+                    direction.append(np.zeros_like(w))
+                    continue
+                d = rng.standard_normal(w.shape)
+                norms = lambda a: np.sqrt(np.sum(a**2, axis=(0, 1, 2)))
+                direction.append(d * norms(w) / norms(d))
+            return direction
+            """,), "hidden", "a dense kernel (inputs x units) is normalised too"),
+        "the weights themselves, not a random direction": Wrong(("""
+            rng.standard_normal(1)
+            return [np.zeros_like(w) if w.ndim == 1 else w.copy() for w in weights]
+            """,), "hidden", "the direction must be random"),
+    },
     ("lab2", "ex1-throughput", "ex1-tests"): {
         "only a zero duration raises": Wrong(("""
             if seconds == 0:
@@ -179,6 +280,97 @@ EXERCISES = {
         "the ratio upside down": Wrong(("return n * images_per_s_one / images_per_s_n",), "hidden",
                                        "throughput(n) / (n x throughput(1))"),
     },
+    # A "visible" mistake's message is checked by tests/test_lab3_practice.py.
+    ("lab3", "ex6-resume-plan", "ex6-tests"): {
+        "each rank reads its own newest file": Wrong(("""
+            newest, epoch = None, 0
+            for name in files:
+                match = re.fullmatch(r"checkpoint-epoch(\\d+)\\.keras", name)
+                if match and int(match.group(1)) > epoch:
+                    newest, epoch = name, int(match.group(1))
+            return {"load": newest, "initial_epoch": epoch, "initial_step": epoch * steps_per_epoch}
+            """,), "visible", "every rank must start at rank 0's epoch"),
+        "rank 0 restores and broadcasts, the others do not receive": Wrong(("""
+            newest, epoch = None, 0
+            if rank == 0:
+                for name in files:
+                    match = re.fullmatch(r"checkpoint-epoch(\\d+)\\.keras", name)
+                    if match and int(match.group(1)) > epoch:
+                        newest, epoch = name, int(match.group(1))
+                epoch = broadcast(epoch, 0)
+            return {"load": newest, "initial_epoch": epoch, "initial_step": epoch * steps_per_epoch}
+            """,), "visible", "A broadcast is a collective"),
+        "every rank restores the file rank 0 named": Wrong(("""
+            newest, epoch = None, 0
+            for name in files:
+                match = re.fullmatch(r"checkpoint-epoch(\\d+)\\.keras", name)
+                if match and int(match.group(1)) > epoch:
+                    newest, epoch = name, int(match.group(1))
+            newest, epoch = broadcast((newest, epoch), 0)
+            return {"load": newest, "initial_epoch": epoch, "initial_step": epoch * steps_per_epoch}
+            """,), "visible", "only rank 0 restores a checkpoint"),
+        "the weights restored, training from epoch 0": Wrong(("""
+            newest, epoch = None, 0
+            if rank == 0:
+                for name in files:
+                    match = re.fullmatch(r"checkpoint-epoch(\\d+)\\.keras", name)
+                    if match and int(match.group(1)) > epoch:
+                        newest, epoch = name, int(match.group(1))
+            broadcast(epoch, 0)
+            return {"load": newest, "initial_epoch": 0, "initial_step": 0}
+            """,), "visible", "resuming at epoch 0 would train every epoch again"),
+        "the learning-rate schedule restarted at its warmup": Wrong(("""
+            newest, epoch = None, 0
+            if rank == 0:
+                for name in files:
+                    match = re.fullmatch(r"checkpoint-epoch(\\d+)\\.keras", name)
+                    if match and int(match.group(1)) > epoch:
+                        newest, epoch = name, int(match.group(1))
+            epoch = broadcast(epoch, 0)
+            return {"load": newest, "initial_epoch": epoch, "initial_step": 0}
+            """,), "visible", "at 0 it would start its warmup again"),
+        "the epoch after the checkpoint's (off by one)": Wrong(("""
+            newest, epoch = None, 0
+            if rank == 0:
+                for name in files:
+                    match = re.fullmatch(r"checkpoint-epoch(\\d+)\\.keras", name)
+                    if match and int(match.group(1)) > epoch:
+                        newest, epoch = name, int(match.group(1))
+            epoch = broadcast(epoch, 0)
+            start = epoch + 1 if newest or epoch else 0
+            return {"load": newest, "initial_epoch": start, "initial_step": start * steps_per_epoch}
+            """,), "visible", "Keras counts the epochs from 0"),
+        "the newest checkpoint by modification time": Wrong(("""
+            newest, epoch = None, 0
+            if rank == 0:
+                checkpoints = [name for name in files if re.fullmatch(r"checkpoint-epoch\\d+\\.keras", name)]
+                if checkpoints:
+                    newest = max(checkpoints, key=files.get)
+                    epoch = int(re.fullmatch(r"checkpoint-epoch(\\d+)\\.keras", newest).group(1))
+            epoch = broadcast(epoch, 0)
+            return {"load": newest, "initial_epoch": epoch, "initial_step": epoch * steps_per_epoch}
+            """,), "hidden", "not the modification time"),
+        "the newest checkpoint by its name, as text": Wrong(("""
+            newest, epoch = None, 0
+            if rank == 0:
+                checkpoints = [name for name in files if re.fullmatch(r"checkpoint-epoch\\d+\\.keras", name)]
+                if checkpoints:
+                    newest = max(checkpoints)
+                    epoch = int(newest[len("checkpoint-epoch"):-len(".keras")])
+            epoch = broadcast(epoch, 0)
+            return {"load": newest, "initial_epoch": epoch, "initial_step": epoch * steps_per_epoch}
+            """,), "hidden", "not the names"),
+        "a partial file taken for a checkpoint": Wrong(("""
+            newest, epoch = None, 0
+            if rank == 0:
+                for name in files:
+                    match = re.search(r"checkpoint-epoch(\\d+)", name)
+                    if match and int(match.group(1)) > epoch:
+                        newest, epoch = name, int(match.group(1))
+            epoch = broadcast(epoch, 0)
+            return {"load": newest, "initial_epoch": epoch, "initial_step": epoch * steps_per_epoch}
+            """,), "hidden", "A partial file (rank 0 was killed while writing it) is not a checkpoint"),
+    },
     ("lab4", "ex1-ring", "ex1-tests"): {
         "the sum of the buffers, send only for show": Wrong((RING_SUM_FOR_SHOW,), "hidden",
                                                             "computed from the chunks send() returned"),
@@ -196,6 +388,79 @@ EXERCISES = {
         "the whole message through each link": Wrong((
             "return 2 * (ranks - 1) * alpha_s + message_bytes * beta_s_per_byte",), "hidden",
             "2(p-1)/p of the message"),
+    },
+    ("lab4", "ex3-spans", "ex3-tests"): {
+        "one stack for all tensors: an E ends the last phase begun on any pid": Wrong(("""
+            names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and "name" in e["args"]}
+            open_phases, spans = [], []
+            for event in events:
+                if event["ph"] == "B":
+                    open_phases.append(event)
+                elif event["ph"] == "E" and open_phases:
+                    begin = open_phases.pop()
+                    spans.append((names[begin["pid"]], begin["name"], begin["ts"] / 1000, event["ts"] / 1000))
+            return spans
+            """,), "hidden", "an 'E' ends a phase of its own pid"),
+        "a queue per tensor: an E ends the phase begun first": Wrong(("""
+            names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and "name" in e["args"]}
+            open_phases, spans = {}, []
+            for event in events:
+                if event["ph"] == "B":
+                    open_phases.setdefault(event["pid"], []).append(event)
+                elif event["ph"] == "E" and open_phases.get(event["pid"]):
+                    begin = open_phases[event["pid"]].pop(0)
+                    spans.append((names[event["pid"]], begin["name"], begin["ts"] / 1000, event["ts"] / 1000))
+            return spans
+            """,), "hidden", "phases nest"),
+        "phases still open at the end of the trace end at its last event": Wrong(("""
+            names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and "name" in e["args"]}
+            open_phases, spans = {}, []
+            for event in events:
+                if event["ph"] == "B":
+                    open_phases.setdefault(event["pid"], []).append(event)
+                elif event["ph"] == "E" and open_phases.get(event["pid"]):
+                    begin = open_phases[event["pid"]].pop()
+                    spans.append((names[event["pid"]], begin["name"], begin["ts"] / 1000, event["ts"] / 1000))
+            last_ms = max(event.get("ts", 0) for event in events) / 1000
+            spans += [(names[pid], begin["name"], begin["ts"] / 1000, last_ms)
+                      for pid, begins in open_phases.items() for begin in begins]
+            return spans
+            """,), "hidden", "is not a span: leave it out"),
+        "X ticks kept as spans": Wrong(("""
+            names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and "name" in e["args"]}
+            open_phases, spans = {}, []
+            for event in events:
+                if event["ph"] == "X":
+                    spans.append((names[event["pid"]], event["name"], event["ts"] / 1000,
+                                  (event["ts"] + event["dur"]) / 1000))
+                elif event["ph"] == "B":
+                    open_phases.setdefault(event["pid"], []).append(event)
+                elif event["ph"] == "E" and open_phases.get(event["pid"]):
+                    begin = open_phases[event["pid"]].pop()
+                    spans.append((names[event["pid"]], begin["name"], begin["ts"] / 1000, event["ts"] / 1000))
+            return spans
+            """,), "visible", ""),
+        "microseconds left as they are": Wrong(("""
+            names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and "name" in e["args"]}
+            open_phases, spans = {}, []
+            for event in events:
+                if event["ph"] == "B":
+                    open_phases.setdefault(event["pid"], []).append(event)
+                elif event["ph"] == "E" and open_phases.get(event["pid"]):
+                    begin = open_phases[event["pid"]].pop()
+                    spans.append((names[event["pid"]], begin["name"], begin["ts"], event["ts"]))
+            return spans
+            """,), "visible", ""),
+        "the pid taken for the tensor's name": Wrong(("""
+            open_phases, spans = {}, []
+            for event in events:
+                if event["ph"] == "B":
+                    open_phases.setdefault(event["pid"], []).append(event)
+                elif event["ph"] == "E" and open_phases.get(event["pid"]):
+                    begin = open_phases[event["pid"]].pop()
+                    spans.append((str(event["pid"]), begin["name"], begin["ts"] / 1000, event["ts"] / 1000))
+            return spans
+            """,), "visible", ""),
     },
     ("lab5", "ex1-noise-scale", "ex1-tests"): {
         "a negative estimate clipped": Wrong(("""
@@ -231,11 +496,127 @@ EXERCISES = {
             return float(eta * weight_norm / (gradient_norm + weight_decay + epsilon))
             """,), "hidden", "compare with the formula"),
     },
+    ("lab5", "ex4-local-sgd", "ex4-tests"): {
+        "the workers never restart from the average (one average at the end)": Wrong(("""
+            models = [np.array(initial_weights, dtype=float) for _ in shards]
+            rounds = 0
+            for round_start in range(first_step, first_step + total_steps, local_steps):
+                for index, shard in enumerate(shards):
+                    for step in range(round_start, round_start + local_steps):
+                        models[index] = models[index] - learning_rate * gradient(
+                            models[index], *minibatch(shard, step, batch_size))
+                rounds += 1
+            return np.mean(models, axis=0), rounds
+            """,), "visible", ""),
+        "the gradients averaged at every step whatever H": Wrong(("""
+            average = np.array(initial_weights, dtype=float)
+            for step in range(first_step, first_step + total_steps):
+                average = average - learning_rate * np.mean(
+                    [gradient(average, *minibatch(shard, step, batch_size)) for shard in shards], axis=0)
+            return average, total_steps // local_steps
+            """,), "hidden", "no averaging in between"),
+        "the rounds counted in steps": Wrong(("""
+            average = np.array(initial_weights, dtype=float)
+            rounds = 0
+            for round_start in range(first_step, first_step + total_steps, local_steps):
+                models = []
+                for shard in shards:
+                    weights = average.copy()
+                    for step in range(round_start, round_start + local_steps):
+                        weights = weights - learning_rate * gradient(weights, *minibatch(shard, step, batch_size))
+                    models.append(weights)
+                average = np.mean(models, axis=0)
+                rounds += local_steps
+            return average, rounds
+            """,), "hidden", "3 rounds, not 12"),
+        "the same shard on every worker": Wrong(("""
+            average = np.array(initial_weights, dtype=float)
+            rounds = 0
+            for round_start in range(first_step, first_step + total_steps, local_steps):
+                models = []
+                for _ in shards:
+                    weights = average.copy()
+                    for step in range(round_start, round_start + local_steps):
+                        weights = weights - learning_rate * gradient(weights, *minibatch(shards[0], step, batch_size))
+                    models.append(weights)
+                average = np.mean(models, axis=0)
+                rounds += 1
+            return average, rounds
+            """,), "visible", ""),
+        "the models weighted by their shard's size": Wrong(("""
+            average = np.array(initial_weights, dtype=float)
+            rounds = 0
+            for round_start in range(first_step, first_step + total_steps, local_steps):
+                models = []
+                for shard in shards:
+                    weights = average.copy()
+                    for step in range(round_start, round_start + local_steps):
+                        weights = weights - learning_rate * gradient(weights, *minibatch(shard, step, batch_size))
+                    models.append(weights)
+                sizes = [len(targets) for _, targets in shards]
+                average = sum(size * model for size, model in zip(sizes, models)) / sum(sizes)
+                rounds += 1
+            return average, rounds
+            """,), "visible", ""),
+        "the caller's initial weights overwritten": Wrong(("""
+            average = np.asarray(initial_weights, dtype=float)
+            rounds = 0
+            for round_start in range(first_step, first_step + total_steps, local_steps):
+                models = []
+                for shard in shards:
+                    weights = average.copy()
+                    for step in range(round_start, round_start + local_steps):
+                        weights = weights - learning_rate * gradient(weights, *minibatch(shard, step, batch_size))
+                    models.append(weights)
+                average[...] = np.mean(models, axis=0)
+                rounds += 1
+            return average, rounds
+            """,), "hidden", "leave initial_weights unchanged"),
+        "every phase starts the shards again (first_step ignored)": Wrong(("""
+            average = np.array(initial_weights, dtype=float)
+            rounds = 0
+            for round_start in range(0, total_steps, local_steps):
+                models = []
+                for shard in shards:
+                    weights = average.copy()
+                    for step in range(round_start, round_start + local_steps):
+                        weights = weights - learning_rate * gradient(weights, *minibatch(shard, step, batch_size))
+                    models.append(weights)
+                average = np.mean(models, axis=0)
+                rounds += 1
+            return average, rounds
+            """,), "hidden", "steps are counted from first_step"),
+    },
 }
 
 # Right solutions other than the reference, which the graded tests must accept too (the solution regions' code, as
 # in Wrong.bodies).
 ALSO_RIGHT = {
+    ("lab1", "ex4-direction", "ex4-tests"): {
+        "one filter at a time, drawn with rng.normal": ("""
+            direction = []
+            for w in weights:
+                d = np.zeros(w.shape)
+                if w.ndim > 1:
+                    for j in range(w.shape[-1]):
+                        d_filter = rng.normal(size=w[..., j].shape)
+                        d[..., j] = d_filter / np.linalg.norm(d_filter) * np.linalg.norm(w[..., j])
+                direction.append(d)
+            return direction
+            """,),
+        "filters as the columns of a (-1, out) reshape": ("""
+            direction = []
+            for w in weights:
+                if w.ndim <= 1:
+                    direction.append(np.zeros_like(w))
+                    continue
+                d = rng.standard_normal(w.shape)
+                columns, w_columns = d.reshape(-1, w.shape[-1]), w.reshape(-1, w.shape[-1])
+                scale = np.linalg.norm(w_columns, axis=0) / np.linalg.norm(columns, axis=0)
+                direction.append((columns * scale).reshape(w.shape))
+            return direction
+            """,),
+    },
     ("lab2", "ex3-files", "ex3-tests"): {
         "balanced contiguous blocks": ("""
             if not 0 <= rank < size or len(files) < size:
@@ -255,6 +636,85 @@ ALSO_RIGHT = {
         # The broadcast acts at the end of the first batch, the averaging at each epoch's end: either order works.
         "the metric average first": (
             "return [hvd.callbacks.MetricAverageCallback(), hvd.callbacks.BroadcastGlobalVariablesCallback(0)]",),
+    },
+    ("lab3", "ex6-resume-plan", "ex6-tests"): {
+        "the epochs in a dict, the newest by max, broadcast by keyword": ("""
+            found = {}
+            if rank == 0:
+                found = {int(match.group(1)): name for name in files
+                         if (match := re.fullmatch(r"checkpoint-epoch(\\d+)\\.keras", name))}
+            epoch = broadcast(max(found, default=0), root_rank=0)
+            return {"load": found.get(epoch), "initial_epoch": epoch, "initial_step": epoch * steps_per_epoch}
+            """,),
+        "rank 0 broadcasts its whole plan, the others restore nothing": ("""
+            plan = None
+            if rank == 0:
+                epochs = [int(name[len("checkpoint-epoch"):-len(".keras")]) for name in files
+                          if re.fullmatch(r"checkpoint-epoch\\d+\\.keras", name)]
+                epoch = max(epochs, default=0)
+                plan = {"load": CHECKPOINT_NAME.format(epoch=epoch) if epoch else None, "initial_epoch": epoch,
+                        "initial_step": epoch * steps_per_epoch}
+            plan = dict(broadcast(plan, 0))
+            if rank != 0:
+                plan["load"] = None
+            return plan
+            """,),
+    },
+    ("lab4", "ex3-spans", "ex3-tests"): {
+        # Sorting by time is stable, so a B and the E that share a timestamp keep their order.
+        "events sorted by time first, a defaultdict of stacks": ("""
+            from collections import defaultdict
+            names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and "name" in e.get("args", {})}
+            stacks, spans = defaultdict(list), []
+            for event in sorted(events, key=lambda e: e.get("ts", -1)):
+                if event["ph"] == "B":
+                    stacks[event["pid"]].append((event["name"], event["ts"]))
+                elif event["ph"] == "E" and stacks[event["pid"]]:
+                    phase, start = stacks[event["pid"]].pop()
+                    spans.append((names[event["pid"]], phase, start * 1e-3, event["ts"] * 1e-3))
+            return spans
+            """,),
+        "recursion over each tensor's events": ("""
+            def close(pid_events, position, spans, name):
+                # Returns the position after the span that begins at `position`.
+                begin = pid_events[position]
+                position += 1
+                while position < len(pid_events):
+                    if pid_events[position]["ph"] == "B":
+                        position = close(pid_events, position, spans, name)
+                    else:
+                        spans.append((name, begin["name"], begin["ts"] / 1000, pid_events[position]["ts"] / 1000))
+                        return position + 1
+                return position
+
+            names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and "name" in e.get("args", {})}
+            spans = []
+            for pid, name in names.items():
+                pid_events = [e for e in events if e.get("pid") == pid and e["ph"] in ("B", "E")]
+                position = 0
+                while position < len(pid_events):
+                    if pid_events[position]["ph"] == "B":
+                        position = close(pid_events, position, spans, name)
+                    else:
+                        position += 1
+            return spans
+            """,),
+    },
+    ("lab5", "ex4-local-sgd", "ex4-tests"): {
+        # With plain SGD steps, averaging the workers' updates and averaging their models are the same.
+        "the workers' updates averaged, in place, rounds counted up front": ("""
+            average = np.array(initial_weights, dtype=float)
+            for round_index in range(total_steps // local_steps):
+                round_start = first_step + round_index * local_steps
+                updates = []
+                for shard in shards:
+                    weights = average.copy()
+                    for step in range(round_start, round_start + local_steps):
+                        weights -= learning_rate * gradient(weights, *minibatch(shard, step, batch_size))
+                    updates.append(weights - average)
+                average = average + sum(updates) / len(shards)
+            return average, total_steps // local_steps
+            """,),
     },
 }
 
