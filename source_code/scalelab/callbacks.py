@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
+from .progress import format_epoch
+
 
 class Throughput(tf.keras.callbacks.Callback):
     """Measures images per second of each epoch's training steps (validation excluded).
@@ -99,21 +101,6 @@ class StopAtAccuracy(tf.keras.callbacks.Callback):
             if self.is_chief and self.verbose:
                 print(f"{self.monitor} {value:.4f} ≥ {self.target} for {self.patience} epoch(s): stopping "
                       f"after epoch {epoch + 1}", flush=True)
-
-
-def format_epoch(epoch: int, epochs: int, logs: dict) -> str:
-    """The one line per epoch every course script prints, with the same words in the same order."""
-    parts = [f"epoch {epoch + 1}/{epochs}"]
-    for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
-        if key in logs:
-            parts.append(f"{key} {logs[key]:.4f}")
-    if "lr" in logs:
-        parts.append(f"lr {logs['lr']:.4g}")
-    if "images_per_s" in logs:
-        parts.append(f"img/s {logs['images_per_s']:.0f}")
-    if "elapsed_s" in logs:
-        parts.append(f"elapsed {logs['elapsed_s']:.1f} s")
-    return "  ".join(parts)
 
 
 def _learning_rate(model) -> float | None:
