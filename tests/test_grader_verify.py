@@ -122,3 +122,19 @@ def test_heldout_process_started_ahead_is_stopped_when_there_is_no_model(tmp_pat
     assert waiting.poll() is None
     heldout.close()  # ...which the grader then stops, rather than leave it waiting
     assert waiting.returncode is not None and heldout.process is None
+
+
+def test_the_runs_final_model_reaches_the_measuring_uid_whatever_the_graders_umask(tmp_path):
+    # The Hub's service runs with umask 077, and root's helper under sudo with it: the grader's copy of the run's
+    # final model must still be readable by the measuring process, a sandbox uid of its own.
+    import tensorflow as tf
+
+    model = tf.keras.Sequential([tf.keras.Input((28, 28, 1)), tf.keras.layers.Flatten(),
+                                 tf.keras.layers.Dense(10, activation="softmax")])
+    model.save(tmp_path / "model.keras")
+    previous = os.umask(0o077)
+    try:
+        measured = heldout_accuracy(tmp_path / "model.keras", "fashion-mnist")
+    finally:
+        os.umask(previous)
+    assert measured.reason is None and measured.images == 10000, measured
