@@ -234,8 +234,6 @@ class HeldoutProcess:
                 return ModelCheck(None, "no model was saved: the run must save $SCALELAB_OUTPUT_DIR/model.keras "
                                         "from rank 0 (keep the DO-NOT-EDIT section)", None)
             return ModelCheck(None, f"the saved model was not read: {untrusted}", None)
-        # For the measuring process's own uid, whatever umask the grader runs with (the Hub's service: 077).
-        model_copy.chmod(0o644)
         refused = model_file_problem(model_copy)
         if refused:
             return ModelCheck(None, refused, None)
