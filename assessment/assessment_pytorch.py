@@ -17,8 +17,9 @@ The grader sets SCALELAB_OUTPUT_DIR (where the run may write), SCALELAB_TRACK, S
 (SCALELAB_CIFAR10_DIR or SCALELAB_FASHION_MNIST_DIR). The data there is the training split only: validate on a
 slice of it. The grader measures accuracy itself, on held-out images you cannot read.
 
-(The PyTorch tracks of the grader are still being built: until they are listed in assessment/tracks.toml, Assess
-grades the Keras script, assessment.py, only.)
+The grader's track for it is cifar10-ddp-cpu (assessment/tracks.toml): `scalelab assess assessment_pytorch.py
+--track cifar10-ddp-cpu` grades it from a terminal. (The Assess button in JupyterLab grades the Keras script,
+assessment.py, for now.)
 """
 
 import argparse

@@ -54,7 +54,8 @@ PROGRESS_INTERVAL_S = 1.0
 # How long the grader may take to stop its run and clean up after SIGTERM before it is killed.
 STOP_GRACE_S = 30.0
 # What is copied back once the grader is done, the verdict last: its presence says the rest is there.
-RESULT_FILES = ("grader-error.log", "model.keras", "verdict.json")
+RESULT_FILES = ("grader-error.log", "model.keras", "model.pt2", "verdict.json")
+MODEL_FILES = ("model.keras", "model.pt2")
 LOGS_DIR_NAME = "logs"
 
 
@@ -149,7 +150,7 @@ def copy_results(copier: CopyBack, private_out: Path, caller_out: Path) -> bool:
         verdict = verdict_for_caller(private_out / "verdict.json", private_out, caller_out)
         passed = verdict is not None and json.loads(verdict).get("verdict") == "pass"
         for name in RESULT_FILES:
-            if name == "model.keras" and not passed:
+            if name in MODEL_FILES and not passed:
                 continue  # the service keeps a model only with a pass
             if name == "verdict.json":
                 if verdict is not None:

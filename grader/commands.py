@@ -184,6 +184,11 @@ def calibrate_command(args: argparse.Namespace) -> int:
         track = load_track_or_usage(args.track, args.track_file)
         if args.runs < 1:
             raise UsageError("--runs must be at least 1")
+        # The course's scripts for the track's framework (and, on PyTorch, its launcher), unless others are named.
+        script = "assessment_pytorch.py" if track.framework == "pytorch" else "assessment.py"
+        solution = "assessment_pytorch_horovod.py" if track.framework == "pytorch" and track.horovod else script
+        args.reference = args.reference or str(spec.COURSE_ROOT / "assessment" / "solution" / solution)
+        args.baseline = args.baseline or str(spec.COURSE_ROOT / "assessment" / script)
         for path in (args.reference, args.baseline):
             check_submission_file(Path(path))
     except (UsageError, NotASubmission) as error:
@@ -272,8 +277,10 @@ def register(subparsers) -> None:
     calibrate = subparsers.add_parser("calibrate", help="measure the reference and the baseline on a track")
     _add_track_arguments(calibrate)
     calibrate.add_argument("--runs", type=int, default=5, help="reference runs (default 5)")
-    calibrate.add_argument("--reference", default=str(spec.COURSE_ROOT / "assessment" / "solution" / "assessment.py"))
-    calibrate.add_argument("--baseline", default=str(spec.COURSE_ROOT / "assessment" / "assessment.py"))
+    calibrate.add_argument("--reference", default=None,
+                           help="the reference solution (default: the course's, for the track's framework)")
+    calibrate.add_argument("--baseline", default=None,
+                           help="the serial script (default: the course's, for the track's framework)")
     calibrate.add_argument("--out", default=None, help="where the runs' verdicts and logs go")
     calibrate.add_argument("--record", action="store_true",
                            help="write the figures into the track file's [tracks.T.calibration] table")

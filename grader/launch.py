@@ -47,6 +47,7 @@ KILL_AFTER_TERM_S = 5.0
 PROGRESS_INTERVAL_S = 2.0
 WATCH_INTERVAL_S = 0.25
 STRAY_CHECK_INTERVAL_S = 0.5
+RANK_SAMPLE_INTERVAL_S = 1.0
 
 
 class LaunchError(RuntimeError):
@@ -84,6 +85,7 @@ class JobSpec:
     log_cap_bytes: int = LOG_CAP_BYTES
     # Where the grader keeps the versions of the model the run saves while it goes (None: not collected).
     snapshots_dir: Path | None = None
+    model_file: str = "model.keras"  # what the run saves in output_dir (its framework's format)
 
 
 @dataclasses.dataclass
@@ -105,7 +107,9 @@ class RunResult:
     ``reported_accuracy`` is the last validation accuracy the run printed (its own claim: for the reasons only).
     ``memory_limit_bytes`` is the memory limit the run had (None: none of its own), ``peak_memory_bytes`` the most
     its processes used together (None: not measured) and ``out_of_memory_kills`` how many of its processes the
-    kernel killed at that limit.
+    kernel killed at that limit. ``rank_cpu_s`` is the CPU time the kernel charged each rank process, and
+    ``traffic_active_deciles`` / ``traffic_span_s`` say when the loopback carried bulk bytes (the witnesses of a
+    torchrun run, which writes no timeline).
     """
 
     exit_code: int | None
@@ -131,6 +135,9 @@ class RunResult:
     memory_limit_bytes: int | None = None
     peak_memory_bytes: int | None = None
     out_of_memory_kills: int = 0
+    rank_cpu_s: list = dataclasses.field(default_factory=list)
+    traffic_active_deciles: int = 0
+    traffic_span_s: float = 0.0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -150,6 +157,25 @@ def horovodrun_path() -> str:
     if not found:
         raise LaunchError("horovodrun is not installed: run `make setup`")
     return found
+
+
+def torchrun_path() -> str:
+    beside_python = Path(sys.executable).with_name("torchrun")
+    found = str(beside_python) if beside_python.exists() else shutil.which("torchrun")
+    if not found:
+        raise LaunchError("torchrun is not installed (it comes with PyTorch): run `make setup`")
+    return found
+
+
+def torchrun_command(np: int, options=()) -> list[str]:
+    """PyTorch's launcher for a DDP run: ``np`` processes on this machine, its rendezvous on the sandbox's own
+    loopback (--standalone), each line a rank prints tagged ``[defaultK]:`` (--tee 3) for the rank logs."""
+    return [torchrun_path(), "--standalone", "--nproc_per_node", str(np), "--tee", "3", *options, "assessment.py"]
+
+
+def launch_command(np: int, launcher: str, options=()) -> list[str]:
+    """The command that starts the run's ranks, whichever launcher its track names."""
+    return torchrun_command(np, options) if launcher == "torchrun" else horovod_command(np, launcher, options)
 
 
 def horovod_command(np: int, launcher: str, options=()) -> list[str]:
@@ -190,9 +216,10 @@ def stage_training_data(dataset: str, job_dir: Path) -> tuple[str, Path]:
 def prepare_job(submission: Path, job_dir: Path, *, dataset: str, track_name: str, np: int, launcher: str,
                 launcher_options, time_budget_s: float, grace_s: float, logs_dir: Path,
                 hidden_paths, sandbox: bool = True, snapshots_dir: Path | None = None,
-                memory_limit_bytes: int = MEMORY_LIMIT_BYTES) -> JobSpec:
+                memory_limit_bytes: int = MEMORY_LIMIT_BYTES, model_file: str = "model.keras") -> JobSpec:
     """Make the job directory (assessment.py, output/, data/ with the training split) and its JobSpec;
-    ``snapshots_dir``: where the grader keeps the models the run saves while it goes (None: not kept)."""
+    ``snapshots_dir``: where the grader keeps the models the run saves while it goes (None: not kept);
+    ``model_file``: the name the run saves its model under, in output/."""
     job_dir.mkdir(parents=True, exist_ok=False)
     job_dir.chmod(0o700)
     shutil.copyfile(submission, job_dir / "assessment.py")
@@ -232,11 +259,11 @@ def prepare_job(submission: Path, job_dir: Path, *, dataset: str, track_name: st
         if passed_through in os.environ:
             env[passed_through] = os.environ[passed_through]
     devices = sorted(Path("/dev").glob("nvidia*"))
-    return JobSpec(job_dir=job_dir, command=horovod_command(np, launcher, launcher_options),
+    return JobSpec(job_dir=job_dir, command=launch_command(np, launcher, launcher_options),
                    env=env, np=np, time_budget_s=time_budget_s, grace_s=grace_s, logs_dir=logs_dir,
                    output_dir=output_dir, sandbox=sandbox, sandbox_uid=sandbox_uid,
                    hidden_paths=[Path(p) for p in hidden_paths], device_paths=devices, snapshots_dir=snapshots_dir,
-                   memory_limit_bytes=memory_limit_bytes)
+                   memory_limit_bytes=memory_limit_bytes, model_file=model_file)
 
 
 def sandbox_argv(job: JobSpec, private_dir: Path, binds=()) -> list[str]:
@@ -316,13 +343,14 @@ def _latest_mtime(path: Path) -> str | None:
 
 
 def _is_rank_main(process: psutil.Process) -> bool:
-    """A rank's own Python running assessment.py (not horovodrun or mpirun, whose command lines name it too)."""
+    """A rank's own Python running assessment.py (not horovodrun, mpirun or torchrun, whose command lines name it
+    too)."""
     try:
         command = process.cmdline()
     except psutil.Error:
         return False
     return (len(command) >= 2 and command[-1] == "assessment.py" and Path(command[0]).name.startswith("python")
-            and not any(Path(argument).name in ("horovodrun", "mpirun") for argument in command))
+            and not any(Path(argument).name in ("horovodrun", "mpirun", "torchrun") for argument in command))
 
 
 class SandboxWatch:
@@ -335,6 +363,10 @@ class SandboxWatch:
         self.launcher_pid: int | None = None     # init's first child: horovodrun (or the shell running mpirun)
         self.loopback_bytes: int | None = None
         self.loopback_packets: int | None = None
+        # (seconds, bytes, packets) read from the loopback's counters: when the traffic flowed (bounded: one a tick)
+        self.traffic_samples: list[tuple[float, int, int]] = []
+        self.rank_cpu_s: dict[int, float] = {}  # rank process → the most CPU time the kernel had charged it
+        self.next_rank_sample = 0.0
         self.strays_seen_before = False
 
     def _sandbox_init(self) -> psutil.Process | None:
@@ -346,13 +378,34 @@ class SandboxWatch:
                 pass
         return self.init
 
-    def sample_traffic(self) -> None:
+    def sample_traffic(self, elapsed_s: float = 0.0) -> None:
         init = self._sandbox_init()
         if init is not None:
             sent = witness.loopback_sent(init.pid)
             if sent is not None:
                 self.loopback_bytes = max(self.loopback_bytes or 0, sent[0])
                 self.loopback_packets = max(self.loopback_packets or 0, sent[1])
+                if not self.traffic_samples or self.traffic_samples[-1][1:] != (self.loopback_bytes,
+                                                                                self.loopback_packets):
+                    self.traffic_samples.append((round(elapsed_s, 2), self.loopback_bytes, self.loopback_packets))
+
+    def sample_ranks(self, elapsed_s: float) -> None:
+        """The CPU time of each rank's process so far (read from the kernel's accounting, once a second)."""
+        if elapsed_s < self.next_rank_sample:
+            return
+        self.next_rank_sample = elapsed_s + RANK_SAMPLE_INTERVAL_S
+        root = self._sandbox_init() if self.sandboxed else None
+        try:
+            family = (root or psutil.Process(self.leader.pid)).children(recursive=True)
+        except psutil.Error:
+            return
+        for process in family:
+            if process.pid in self.rank_cpu_s or _is_rank_main(process):
+                try:
+                    times = process.cpu_times()
+                except psutil.Error:
+                    continue
+                self.rank_cpu_s[process.pid] = max(self.rank_cpu_s.get(process.pid, 0.0), times.user + times.system)
 
     def strays(self) -> list[psutil.Process]:
         """Processes that lost their parent (re-parented to the sandbox's init) while no rank runs any more:
@@ -419,7 +472,7 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path, groups: cgroups.San
     collector = None
     if job.snapshots_dir is not None:
         collector = snapshots.SnapshotCollector(
-            job.job_dir, str((job.output_dir / "model.keras").relative_to(job.job_dir)), job.snapshots_dir,
+            job.job_dir, str((job.output_dir / job.model_file).relative_to(job.job_dir)), job.snapshots_dir,
             owner_uid=job.sandbox_uid if job.sandbox_uid is not None else os.getuid(),
             limit_bytes=verify.MODEL_SIZE_LIMIT_BYTES)
     started = time.monotonic()
@@ -442,7 +495,8 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path, groups: cgroups.San
     try:
         while leader.poll() is None:
             elapsed = time.monotonic() - started
-            watch.sample_traffic()
+            watch.sample_traffic(elapsed)
+            watch.sample_ranks(elapsed)
             meter.sample()
             if collector is not None and terminated_at is None:
                 snapshot = collector.poll(elapsed)
@@ -453,7 +507,7 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path, groups: cgroups.San
                 on_progress({"state": "running", "elapsed_s": round(elapsed, 1),
                              "time_budget_s": job.time_budget_s, "epochs_seen": demux.epochs_seen,
                              "latest_accuracy": demux.latest_accuracy,
-                             "checkpoint_mtime": _latest_mtime(job.output_dir / "model.keras")})
+                             "checkpoint_mtime": _latest_mtime(job.output_dir / job.model_file)})
             if elapsed >= next_stray_check and terminated_at is None:
                 next_stray_check = elapsed + STRAY_CHECK_INTERVAL_S
                 strays_killed += _kill(watch.strays())  # horovodrun then ends with the ranks' own status
@@ -487,6 +541,7 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path, groups: cgroups.San
     cpu_contention = meter.finish()  # once nothing of the run is left
     evidence = timeline.stop()
     rank_logs, launcher_log, truncated = demux.close()
+    deciles, span_s = witness.traffic_spread(watch.traffic_samples)
     return RunResult(exit_code=None if killed else leader.returncode, wall_time_s=round(wall_time_s, 2),
                      timed_out=timed_out, started_at=started_at, finished_at=finished_at,
                      rank_logs=rank_logs, launcher_log=launcher_log, rank_tracebacks=demux.tracebacks(),
@@ -498,4 +553,6 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path, groups: cgroups.San
                      snapshot_notes=list(collector.notes) if collector else [],
                      stopped_at_target=stopped_at_target, reported_accuracy=demux.latest_accuracy,
                      memory_limit_bytes=job.memory_limit_bytes if groups.memory is not None else None,
-                     peak_memory_bytes=groups.peak_memory_bytes(), out_of_memory_kills=groups.out_of_memory_kills())
+                     peak_memory_bytes=groups.peak_memory_bytes(), out_of_memory_kills=groups.out_of_memory_kills(),
+                     rank_cpu_s=[round(watch.rank_cpu_s[pid], 2) for pid in sorted(watch.rank_cpu_s)],
+                     traffic_active_deciles=deciles, traffic_span_s=span_s)

@@ -59,8 +59,8 @@ def student_facing(text: str, job_dir: Path) -> str:
     return FILE_IN_TRACEBACK.sub(shorten, text).replace(f"{job_dir}/", "")
 
 
-def _rank_failure_reasons(run: launch.RunResult, job_dir: Path) -> list[str]:
-    reasons = [f"the run failed: horovodrun exited with status {run.exit_code} after {run.wall_time_s:.0f} s."]
+def _rank_failure_reasons(run: launch.RunResult, job_dir: Path, launcher: str = "horovodrun") -> list[str]:
+    reasons = [f"the run failed: {launcher} exited with status {run.exit_code} after {run.wall_time_s:.0f} s."]
     # The rank that failed first comes first: the others only report that Horovod shut down because of it.
     def consequence(item):
         return "Horovod has been shut down" in item[1], item[0]
@@ -72,7 +72,7 @@ def _rank_failure_reasons(run: launch.RunResult, job_dir: Path) -> list[str]:
         reasons.append(f"rank {rank} raised {last_line}\n{text}")
     if not run.rank_tracebacks:
         reasons.append(f"no rank printed a Python traceback; see the logs in the logs directory "
-                       f"(launcher.log has horovodrun's own messages).")
+                       f"(launcher.log has {launcher}'s own messages).")
     return reasons
 
 
@@ -96,12 +96,14 @@ def _preprocessing_cause(model: verify.ModelCheck, track: spec.Track) -> str | N
     # Named only when preprocessing alone would have reached the target: then it is the cause, not a hint.
     if accuracy < track.target_accuracy or accuracy < model.heldout_accuracy + 0.05:
         return None
+    first_layer = ("as the first step of its forward() (pixels / 255, or the training images' mean and standard "
+                   "deviation)" if track.framework == "pytorch" else "as its first layer "
+                   "(tf.keras.layers.Rescaling(1/255), or a Normalization layer adapted to the training images)")
     return (f"held-out accuracy {model.heldout_accuracy:.4f} is below the target {track.target_accuracy:.4f}, yet "
             f"the same model reaches {accuracy:.4f} when the pixels are first {how} (measured for this message only, "
             f"never for the verdict): it was trained on pixels preprocessed outside the model, and the grader feeds "
             f"the saved model raw 0-255 pixels, as the data loaders give them. Put the preprocessing inside the "
-            f"model, as its first layer (tf.keras.layers.Rescaling(1/255), or a Normalization layer adapted to the "
-            f"training images), and feed it raw pixels.")
+            f"model, {first_layer}, and feed it raw pixels.")
 
 
 def _accuracy_reason(model: verify.ModelCheck, track: spec.Track) -> str:
@@ -149,7 +151,7 @@ def _not_graded_for_contention(verdict: dict, cpu_contention: dict, facts: list[
 
 def decide(verdict: dict, track: spec.Track, run: launch.RunResult, model: verify.ModelCheck,
            timeline: witness.TimelineEvidence, traffic: witness.TrafficEvidence, job_dir: Path,
-           points: list[dict] = (), deciding: dict | None = None) -> None:
+           points: list[dict] = (), deciding: dict | None = None, ranks: witness.RankEvidence | None = None) -> None:
     """Fill ``verdict`` (verdict and reasons) from what was measured. Pass iff every condition holds.
 
     ``deciding`` is the first snapshot whose held-out accuracy reached the target within the budget (``points``
@@ -157,12 +159,18 @@ def decide(verdict: dict, track: spec.Track, run: launch.RunResult, model: verif
     the run did after it (stopped by the grader, crashed, ran over time) does not count; the evidence must still
     show all ranks training together. Without one, the run is judged by how it ended and its final model. A run out
     of time while others used at least ``contention.CONTENDED_SHARE`` of the machine is not graded (``contended``);
-    any other verdict under such contention gets a note saying so."""
+    any other verdict under such contention gets a note saying so. A torchrun track's evidence is ``ranks`` and
+    ``traffic`` (no timeline)."""
+    def evidence_problems() -> list[str]:
+        if track.horovod:
+            return witness.evidence_problems(timeline, traffic, verdict["np"], model.trainable_variables,
+                                             track.min_spread_deciles)
+        return witness.ddp_evidence_problems(ranks or witness.RankEvidence([], 0, 0.0), traffic, verdict["np"],
+                                             track.min_spread_deciles)
     reasons = []
     budget = track.time_budget_s
     if deciding is not None:
-        reasons = witness.evidence_problems(timeline, traffic, verdict["np"], model.trainable_variables,
-                                            track.min_spread_deciles)
+        reasons = evidence_problems()
         if reasons:
             verdict["verdict"], verdict["reasons"] = "fail", reasons
             return
@@ -202,7 +210,7 @@ def decide(verdict: dict, track: spec.Track, run: launch.RunResult, model: verif
                                 f"machine than the time budget assumes.")
     if run.exit_code != 0:
         verdict["verdict"] = "fail"
-        verdict["reasons"] = _rank_failure_reasons(run, job_dir)
+        verdict["reasons"] = _rank_failure_reasons(run, job_dir, "horovodrun" if track.horovod else "torchrun")
         return
     if model.heldout_accuracy is None:
         reasons.append(model.reason)
@@ -210,8 +218,7 @@ def decide(verdict: dict, track: spec.Track, run: launch.RunResult, model: verif
         reasons.append(_accuracy_reason(model, track))
         if not _preprocessing_cause(model, track):
             reasons += _curve_reasons(list(points), track, run, model)
-    reasons += witness.evidence_problems(timeline, traffic, verdict["np"], model.trainable_variables,
-                                         track.min_spread_deciles)
+    reasons += evidence_problems()
     if reasons:
         verdict["verdict"], verdict["reasons"] = "fail", reasons
     else:
@@ -279,10 +286,12 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
                                  np=np, launcher=track.launcher, launcher_options=track.launcher_options,
                                  time_budget_s=track.time_budget_s, grace_s=track.grace_s, logs_dir=logs_dir,
                                  hidden_paths=hidden, sandbox=sandbox, snapshots_dir=out_dir / "snapshots",
-                                 memory_limit_bytes=int(track.memory_limit_gib * 1024**3))
+                                 memory_limit_bytes=int(track.memory_limit_gib * 1024**3),
+                                 model_file=track.model_file)
         verdict["sandbox_uid"] = job.sandbox_uid
-        heldout = verify.HeldoutProcess(track.dataset, sandboxed=sandbox, explain_below=track.target_accuracy)
-        heldout.start_ahead()  # imports TensorFlow at idle priority while the run goes on
+        heldout = verify.HeldoutProcess(track.dataset, sandboxed=sandbox, explain_below=track.target_accuracy,
+                                        framework=track.framework)
+        heldout.start_ahead()  # imports the framework at idle priority while the run goes on
         live = curve.LiveCurve(heldout, track.target_accuracy, track.time_budget_s)
 
         def report_running(state: dict) -> None:
@@ -311,15 +320,22 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
             model, graded_model = live.deciding_check(), live.deciding_file()
         else:
             owner_uid = job.sandbox_uid if job.sandbox_uid is not None else os.getuid()
-            model = heldout.measure(job.job_dir, "output/model.keras", owner_uid)
+            model = heldout.measure(job.job_dir, f"output/{track.model_file}", owner_uid)
             graded_model = heldout.checked_model
         timeline = witness.TimelineEvidence(**run.timeline) if run.timeline else witness.TimelineCounter().evidence()
-        traffic = witness.traffic_evidence(run.loopback_bytes, timeline, model.trainable_parameters,
-                                           model.trainable_variables, np, run.loopback_packets)
-        verdict.update(heldout_accuracy=model.heldout_accuracy, trainable_variables=model.trainable_variables,
-                       ranks_seen=timeline.ranks_seen, allreduce_count=timeline.allreduce_count,
-                       allreduced_tensors=timeline.allreduced_tensors, active_deciles=timeline.active_deciles,
-                       witnesses=witness.figures(timeline, traffic, model.trainable_parameters))
+        ranks = witness.RankEvidence(run.rank_cpu_s, run.traffic_active_deciles, run.traffic_span_s)
+        if track.horovod:
+            traffic = witness.traffic_evidence(run.loopback_bytes, timeline, model.trainable_parameters,
+                                               model.trainable_variables, np, run.loopback_packets)
+            verdict.update(ranks_seen=timeline.ranks_seen, allreduce_count=timeline.allreduce_count,
+                           allreduced_tensors=timeline.allreduced_tensors, active_deciles=timeline.active_deciles,
+                           witnesses=witness.figures(timeline, traffic, model.trainable_parameters))
+        else:  # torchrun writes no timeline: the ranks' CPU time and when the traffic flowed stand in for it
+            traffic = witness.ddp_traffic_evidence(run.loopback_bytes, model.trainable_parameters, np,
+                                                   run.loopback_packets)
+            verdict.update(active_deciles=ranks.active_deciles,
+                           witnesses=witness.ddp_figures(ranks, traffic, model.trainable_parameters))
+        verdict.update(heldout_accuracy=model.heldout_accuracy, trainable_variables=model.trainable_variables)
         verdict["cpu_contention"] = run.cpu_contention
         # What a track's memory_limit_gib is chosen from (None where the run had no memory cgroup).
         verdict["memory"] = {"limit_bytes": run.memory_limit_bytes, "peak_bytes": run.peak_memory_bytes}
@@ -331,7 +347,8 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
         verdict["deciding_snapshot"] = deciding["index"] if deciding else None
         verdict["stopped_at_target"] = run.stopped_at_target
         verdict["notes"] += run.snapshot_notes + live.notes
-        decide(verdict, track, run, model, timeline, traffic, job.job_dir, list(measured.values()), deciding)
+        decide(verdict, track, run, model, timeline, traffic, job.job_dir, list(measured.values()), deciding,
+               ranks)
         if run.out_of_memory_kills:
             _say_memory_ran_out(verdict, run)
         if run.loopback_bytes is None and verdict["verdict"] != "timeout":
@@ -348,8 +365,8 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
             verdict["notes"].append(f"{run.survivors_killed} processes of the run outlived horovodrun and were "
                                     f"killed by the grader.")
         if graded_model is not None:  # the grader's own copy, never the run's file itself
-            shutil.copyfile(graded_model, out_dir / "model.keras")
-            verdict["model_path"] = str(out_dir / "model.keras")
+            shutil.copyfile(graded_model, out_dir / track.model_file)
+            verdict["model_path"] = str(out_dir / track.model_file)
     except Exception as error:  # the grader's own failure: still a verdict, with the reason
         verdict["verdict"] = "error"
         verdict["reasons"] = [f"internal error in the grader (not your submission's fault): "

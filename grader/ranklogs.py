@@ -1,7 +1,8 @@
 """A rank's output, from horovodrun's merged stream: one capped log file per rank, tracebacks and progress.
 
 horovodrun prefixes each whole line of a rank with ``[0]<stdout>:`` under Gloo; Open MPI tags each chunk it reads
-from a rank with ``[1,0]<stdout>:``, also in mid-line: ``[1,1]<stderr>:RuntimeError[1,1]<stderr>:: ...``.
+from a rank with ``[1,0]<stdout>:``, also in mid-line: ``[1,1]<stderr>:RuntimeError[1,1]<stderr>:: ...``; torchrun
+(``--tee 3``) prefixes each line of a rank, stdout and stderr alike, with ``[default0]:``.
 Memory stays bounded whatever a rank prints: lines are cut at ``LINE_CAP_BYTES``, each log stops at its cap, and
 only a bounded tail of each rank is kept (for its traceback).
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 LOG_CAP_BYTES = 1 << 20
 LINE_CAP_BYTES = 16 << 10
 UNENDED_LINES_CAP = 64  # rank streams whose unended line is held back at once (memory stays bounded)
-RANK_TAG = re.compile(rb"\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:")
+RANK_TAG = re.compile(rb"\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:|\[default(\d+)\]:")
 MPI_TAG = re.compile(rb"\[\d+,(\d+)\]<(stdout|stderr)>:")
 EPOCH_LINE = re.compile(r"\bepoch (\d+)/(\d+)")
 ACCURACY_IN_LINE = re.compile(r"\b(val_accuracy|accuracy)[ =:]+([0-9]*\.?[0-9]+)")
@@ -76,11 +77,11 @@ class RankLogDemux:
             tags = list(MPI_TAG.finditer(line)) if MPI_TAG.match(line) else [first]
             for tag, following in zip(tags, tags[1:] + [None]):
                 end = following.start() if following else len(line)
-                rank = int(tag.group(1))
+                rank = int(tag.group(1) or tag.group(3))
                 if rank > 4096:  # not a real rank: output that only looks like a tag
                     self._log(None).write(line[tag.start():end])
-                else:
-                    self._take(rank, tag.group(2), line[tag.end():end])
+                else:  # torchrun merges a rank's stdout and stderr: taken as its stdout
+                    self._take(rank, tag.group(2) or b"stdout", line[tag.end():end])
 
     def _take(self, rank: int, stream: bytes, content: bytes) -> None:
         """A piece of one rank's output: into its log now; into its tail and progress once its line is whole."""

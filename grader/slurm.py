@@ -15,7 +15,7 @@ Configuration, from the environment of the grader (the CLI or the Assess service
 
     SCALELAB_SLURM_PARTITION       --partition (default: the cluster's default partition)
     SCALELAB_SLURM_ACCOUNT         --account
-    SCALELAB_SLURM_NODES           must be 1: horovodrun starts every rank on the allocated node
+    SCALELAB_SLURM_NODES           must be 1: horovodrun (or torchrun) starts every rank on the allocated node
     SCALELAB_SLURM_GPUS_PER_NODE   --gres=gpu:N (default: one per rank when the grader's machine has GPUs, else none)
     SCALELAB_SLURM_QUEUE_TIMEOUT_S how long a job may wait in the queue before the grader gives up (default 3600)
 """
@@ -173,11 +173,12 @@ def gpus_per_node(job: launch.JobSpec, environ=os.environ) -> int:
 
 
 def sbatch_options(job: launch.JobSpec, control: Path, environ=os.environ) -> list[str]:
-    """The #SBATCH options: one node, one task (horovodrun starts the ranks), a CPU per rank, the time limit."""
+    """The #SBATCH options: one node, one task (horovodrun or torchrun starts the ranks), a CPU per rank, the time
+    limit."""
     nodes = environ.get("SCALELAB_SLURM_NODES", "1")
     if nodes != "1":
         raise SlurmError(f"SCALELAB_SLURM_NODES={nodes}: the grader's Slurm backend runs a job on one node "
-                         f"(horovodrun starts every rank there); see containers/README.md for multi-node recipes")
+                         f"(the launcher starts every rank there); see containers/README.md for multi-node recipes")
     options = [f"--job-name=scalelab-{job.job_dir.name}", "--nodes=1", "--ntasks=1",
                f"--cpus-per-task={job.np}", f"--time={time_limit_minutes(job.time_budget_s, job.grace_s)}",
                f"--chdir={control}", f"--output={control}/slurm-%j.out", "--open-mode=append",

@@ -81,7 +81,8 @@ class SnapshotCollector:
                        f"kept at most one version per {self.min_interval_s:g} s")
             return None
         self._seen_version = version
-        copy = self.destination / f"snapshot-{len(self.snapshots) + 1:03d}.keras"
+        # The copy keeps the model file's suffix (.keras or .pt2): loaders go by it.
+        copy = self.destination / f"snapshot-{len(self.snapshots) + 1:03d}{Path(self.relative).suffix}"
         self.destination.mkdir(parents=True, exist_ok=True)
         try:
             jobfiles.copy_regular_file(self.root, self.relative, copy, owner_uid=self.owner_uid,

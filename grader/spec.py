@@ -19,7 +19,11 @@ COURSE_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACKS_FILE = COURSE_ROOT / "assessment" / "tracks.toml"
 DEFAULT_TRACK = "cifar10-cpu"
 DATASETS = ("cifar10", "fashion-mnist")
-LAUNCHERS = ("gloo", "mpi")
+# A framework is what the student trains with: it decides the model file the grader measures and how.
+FRAMEWORKS = ("keras", "pytorch")
+MODEL_FILES = {"keras": "model.keras", "pytorch": "model.pt2"}
+# horovodrun --gloo / --mpi (Horovod for Keras or PyTorch), or torchrun (PyTorch's DDP, on Gloo).
+LAUNCHERS = ("gloo", "mpi", "torchrun")
 ALL_GPUS = "all-gpus"
 
 
@@ -45,7 +49,8 @@ class Track:
     target_accuracy: float           # held-out accuracy the saved model must reach
     time_budget_s: float             # from launch to exit, measured by the grader
     grace_s: float = 10.0            # after the budget: SIGTERM, then SIGKILL after the grace
-    launcher: str = "gloo"           # horovodrun --gloo or --mpi
+    launcher: str = "gloo"           # horovodrun --gloo or --mpi, or torchrun
+    framework: str = "keras"         # keras or pytorch: the model file and how it is measured
     launcher_options: tuple[str, ...] = ()   # more horovodrun arguments, e.g. ("--cycle-time-ms", "1")
     min_spread_deciles: int = 8      # allreduces must happen in at least this many tenths of the training
     memory_limit_gib: float = 8.0    # all the run's processes together (where the grader is root)
@@ -83,6 +88,16 @@ class Track:
                             f"not a fail or timeout")
         return problems
 
+    @property
+    def model_file(self) -> str:
+        """The file the run saves its model to, under $SCALELAB_OUTPUT_DIR."""
+        return MODEL_FILES[self.framework]
+
+    @property
+    def horovod(self) -> bool:
+        """Whether the run is launched by horovodrun (and so writes Horovod's timeline)."""
+        return self.launcher != "torchrun"
+
     def resolve_ranks(self, gpu_count: int) -> int:
         """The number of ranks to launch on a machine with ``gpu_count`` GPUs."""
         if self.ranks == ALL_GPUS:
@@ -112,6 +127,10 @@ def _track_from_table(name: str, table: dict, source: Path) -> Track:
         raise SpecError(f"{source}: track {name!r} has dataset {track.dataset!r}; known: {', '.join(DATASETS)}")
     if track.launcher not in LAUNCHERS:
         raise SpecError(f"{source}: track {name!r} has launcher {track.launcher!r}; known: {', '.join(LAUNCHERS)}")
+    if track.framework not in FRAMEWORKS:
+        raise SpecError(f"{source}: track {name!r} has framework {track.framework!r}; known: {', '.join(FRAMEWORKS)}")
+    if track.launcher == "torchrun" and track.framework != "pytorch":
+        raise SpecError(f"{source}: track {name!r}: torchrun launches PyTorch runs only (framework = \"pytorch\")")
     if not (track.ranks == ALL_GPUS or (isinstance(track.ranks, int) and track.ranks >= 1)):
         raise SpecError(f"{source}: track {name!r}: ranks must be a number ≥ 1 or {ALL_GPUS!r}")
     if not 0 < track.target_accuracy <= 1 or track.time_budget_s <= 0 or track.grace_s < 0:

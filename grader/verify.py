@@ -58,7 +58,17 @@ def model_file_problem(model_path: Path) -> str | None:
 
     Keras imports any module a config names, safe mode or not; only Keras's own are let through. The compile
     settings (the optimizer, which names Horovod's module) are skipped: the measurement never compiles.
+    A ``.pt2`` (torch.export) archive is checked for its size unpacked only: it is loaded in the sandbox alone.
     """
+    if Path(model_path).suffix == ".pt2":
+        try:
+            with zipfile.ZipFile(model_path) as archive:
+                unpacked = sum(member.file_size for member in archive.infolist())
+        except (zipfile.BadZipFile, OSError, RuntimeError):
+            return "the saved model.pt2 is not a torch.export archive (corrupt, or not written by torch.export.save)"
+        if unpacked > MODEL_SIZE_LIMIT_BYTES:
+            return f"the saved model unpacks to {unpacked} bytes, over the {MODEL_SIZE_LIMIT_BYTES} byte limit"
+        return None
     try:
         with zipfile.ZipFile(model_path) as archive:
             unpacked = sum(member.file_size for member in archive.infolist())
@@ -113,8 +123,10 @@ class HeldoutProcess:
 
     INSIDE = Path("/run/scalelab")
 
-    def __init__(self, dataset: str, sandboxed: bool = True, explain_below: float | None = None):
+    def __init__(self, dataset: str, sandboxed: bool = True, explain_below: float | None = None,
+                 framework: str = "keras"):
         self.dataset, self.sandboxed, self.explain_below = dataset, sandboxed, explain_below
+        self.framework = framework
         self.process: subprocess.Popen | None = None
         self.at_low_priority = False
         self._answer_buffer = b""
@@ -128,7 +140,8 @@ class HeldoutProcess:
     def _argv(self) -> tuple[list[str], dict[str, str], str | None]:
         files = heldout_files(self.dataset)
         variable = "SCALELAB_CIFAR10_DIR" if self.dataset == "cifar10" else "SCALELAB_FASHION_MNIST_DIR"
-        command = [sys.executable, "-I", "-m", "scalelab.grader.heldout", "-", self.dataset]
+        command = [sys.executable, "-I", "-m", "scalelab.grader.heldout", "-", self.dataset,
+                   "--framework", self.framework]
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "TF_CPP_MIN_LOG_LEVEL": "2", "HOME": "/tmp",
                "KERAS_HOME": "/tmp/.keras", "MPLCONFIGDIR": "/tmp/.matplotlib", "CUDA_VISIBLE_DEVICES": ""}
         if not self.sandboxed:  # only where the instructor allowed grading without bubblewrap
@@ -225,14 +238,14 @@ class HeldoutProcess:
     def measure(self, job_dir: Path, relative: str, owner_uid: int | None) -> ModelCheck:
         """Copy the run's model out of ``job_dir`` (checked, see jobfiles), refuse it if its config names
         foreign code, and measure it on the held-out split in the measuring process."""
-        model_copy = self.model_dir / "model.keras"
+        model_copy = self.model_dir / Path(relative).name
         try:
             jobfiles.copy_regular_file(job_dir, relative, model_copy, owner_uid=owner_uid,
                                        limit_bytes=MODEL_SIZE_LIMIT_BYTES)
         except jobfiles.UntrustedFile as untrusted:
             if "does not exist" in str(untrusted):
-                return ModelCheck(None, "no model was saved: the run must save $SCALELAB_OUTPUT_DIR/model.keras "
-                                        "from rank 0 (keep the DO-NOT-EDIT section)", None)
+                return ModelCheck(None, f"no model was saved: the run must save $SCALELAB_OUTPUT_DIR/"
+                                        f"{Path(relative).name} from rank 0 (keep the DO-NOT-EDIT section)", None)
             return ModelCheck(None, f"the saved model was not read: {untrusted}", None)
         refused = model_file_problem(model_copy)
         if refused:

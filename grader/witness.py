@@ -21,6 +21,17 @@ Two witnesses, both read by the grader on its own clock:
    with what the gradients need: a run cannot make up the gradients' traffic by running long or cycling fast.
    (Bulk bytes are counted, not inspected: a run that allreduces as many junk bytes as the gradients would
    is beyond this witness.)
+
+A run under torchrun (PyTorch's DDP) writes no Horovod timeline. In its place (:class:`RankEvidence`), again read
+by the grader on its own clock from what the kernel counts:
+
+3. **Each rank's CPU time.** The grader finds the ranks' processes in the sandbox and reads the CPU time the kernel
+   charged each: every rank must have computed about as much as the busiest (a rank that only waits, while one
+   other trains, shows a fraction of its CPU time).
+4. **The traffic's spread and volume.** The loopback's counters are sampled as the run goes, so the grader sees
+   when the bulk bytes flowed: DDP averages the gradients at every step, so they must flow in most tenths of the
+   span from the first bulk exchange to the last, and amount to at least ``MIN_DDP_STEPS`` averagings of the
+   model's gradients (how many steps a run takes is its own choice, so the volume is a floor, not a count).
 """
 
 from __future__ import annotations
@@ -51,6 +62,14 @@ MIN_TRAFFIC_RATIO = 0.25
 # Charged per packet sent on the loopback: more than Horovod's coordination sends per packet (measured: 89-90 bytes
 # on average, idle or at a 0.1 ms cycle), a fraction of a percent of the gradients' 64 KB segments.
 SMALL_PACKET_BYTES = 128
+
+
+# A DDP run's bulk loopback traffic must amount to at least this many averagings of the model's gradients.
+MIN_DDP_STEPS = 20
+# Under DDP each rank's CPU time must be at least this share of the busiest rank's.
+MIN_RANK_CPU_SHARE = 0.5
+# A traffic sample counts towards the spread when this many bulk bytes flowed since the previous one.
+BULK_SAMPLE_BYTES = 64 << 10
 
 
 def witnessed_mpi_settings() -> dict[str, str]:
@@ -326,6 +345,69 @@ def evidence_problems(timeline: TimelineEvidence, traffic: TrafficEvidence, np: 
     return problems
 
 
+@dataclasses.dataclass
+class RankEvidence:
+    """What the grader saw of the rank processes and of the traffic's timing (the witnesses of a torchrun run)."""
+    rank_cpu_s: list[float]        # CPU time the kernel charged each rank process (in the order they started)
+    active_deciles: int            # tenths of the bulk traffic's span (first to last bulk exchange) with bulk bytes
+    span_s: float                  # that span, on the grader's clock
+
+
+def traffic_spread(samples) -> tuple[int, float]:
+    """(active tenths, span in seconds) of the bulk traffic in ``samples``: (seconds, bytes, packets) read from
+    the loopback's cumulative counters, in order. A sample is bulk when ``BULK_SAMPLE_BYTES`` flowed beyond what
+    its packets' small-packet allowance covers since the sample before."""
+    bulk_times = []
+    for (_, bytes_before, packets_before), (moment, sent, packets) in zip(samples, samples[1:]):
+        if bulk_bytes(sent - bytes_before, packets - packets_before) >= BULK_SAMPLE_BYTES:
+            bulk_times.append(moment)
+    if len(bulk_times) < 2:
+        return len(bulk_times), 0.0
+    first, last = bulk_times[0], bulk_times[-1]
+    span = max(last - first, 1e-6)
+    return len({min(9, int((moment - first) * 10 / span)) for moment in bulk_times}), round(last - first, 2)
+
+
+def ddp_traffic_evidence(measured: int | None, trainable_parameters: int | None, np: int,
+                         packets: int | None = None) -> TrafficEvidence:
+    """A torchrun run's traffic against ``MIN_DDP_STEPS`` averagings of the model's gradients (no timeline counts
+    its steps); ``steps`` is how many averagings the bulk bytes could have carried."""
+    bulk = None if measured is None else bulk_bytes(measured, packets)
+    if measured is None or not trainable_parameters or np < 2:
+        return TrafficEvidence(measured, None, None, None, packets, bulk)
+    per_step = expected_traffic_bytes(trainable_parameters, 1, np)
+    expected = per_step * MIN_DDP_STEPS
+    return TrafficEvidence(measured, round(expected), round(bulk / per_step, 1), round(bulk / expected, 3), packets,
+                           bulk)
+
+
+def ddp_evidence_problems(ranks: RankEvidence, traffic: TrafficEvidence, np: int,
+                          min_spread_deciles: int) -> list[str]:
+    """Sentences saying what a torchrun run's witnesses do not show (empty: all ranks trained together)."""
+    problems = []
+    if len(ranks.rank_cpu_s) < np:
+        problems.append(f"the grader saw {len(ranks.rank_cpu_s)} rank processes of the {np} the track launches: "
+                        f"every rank must run the training (torchrun starts them; do not exit early on some).")
+    elif ranks.rank_cpu_s:
+        busiest = max(ranks.rank_cpu_s)
+        idle = [rank for rank, seconds in enumerate(ranks.rank_cpu_s) if seconds < MIN_RANK_CPU_SHARE * busiest]
+        if idle:
+            times = ", ".join(f"{seconds:.0f} s" for seconds in ranks.rank_cpu_s)
+            problems.append(f"the ranks' CPU times were {times}: {len(idle)} of them computed less than "
+                            f"{MIN_RANK_CPU_SHARE:.0%} of the busiest one, so not every rank trained. Each rank must "
+                            f"train on its own share of the data (DistributedSampler) with the DDP-wrapped model.")
+    if traffic.bulk_bytes is not None and traffic.ratio is not None and traffic.ratio < 1:
+        problems.append(f"the ranks sent {traffic.bulk_bytes / 1e6:.2f} MB to each other in bulk, less than "
+                        f"{MIN_DDP_STEPS} averagings of this model's gradients need "
+                        f"({traffic.expected_bytes / 1e6:.1f} MB): the gradients were not averaged at every step. "
+                        f"Wrap the model in DistributedDataParallel and train the wrapped model.")
+    elif traffic.loopback_bytes is not None and ranks.active_deciles < min_spread_deciles:
+        problems.append(f"the ranks exchanged bulk data in only {ranks.active_deciles} of 10 tenths of the training "
+                        f"(at least {min_spread_deciles} needed): gradients must be averaged throughout training, "
+                        f"not only at its start or end.")
+    return problems
+
+
 def figures(timeline: TimelineEvidence, traffic: TrafficEvidence, trainable_parameters: int | None) -> dict:
     """Each witness's figures, for the verdict JSON."""
     return {
@@ -333,5 +415,17 @@ def figures(timeline: TimelineEvidence, traffic: TrafficEvidence, trainable_para
                      **dataclasses.asdict(timeline)},
         "traffic": {"source": "bytes sent on the sandbox's loopback, read by the grader",
                     "trainable_parameters": trainable_parameters, "minimum_ratio": MIN_TRAFFIC_RATIO,
+                    **dataclasses.asdict(traffic)},
+    }
+
+
+def ddp_figures(ranks: RankEvidence, traffic: TrafficEvidence, trainable_parameters: int | None) -> dict:
+    """A torchrun run's witnesses' figures, for the verdict JSON."""
+    return {
+        "ranks": {"source": "CPU time the kernel charged each rank process, and when the loopback carried bulk "
+                            "bytes, read by the grader as the run went",
+                  "minimum_cpu_share": MIN_RANK_CPU_SHARE, **dataclasses.asdict(ranks)},
+        "traffic": {"source": "bytes sent on the sandbox's loopback, read by the grader",
+                    "trainable_parameters": trainable_parameters, "minimum_steps": MIN_DDP_STEPS,
                     **dataclasses.asdict(traffic)},
     }

@@ -25,10 +25,10 @@ What the workers keep:
 - **Progress** (``progress.json``, written by the grader: elapsed time vs budget, epochs seen, latest
   accuracy, checkpoint time) is copied to the job for display only; the verdict is always the grader's.
 - **Disk**: job directories and the files the service writes in them are private to the server's account
-  (0700/0600). The model a run wrote (``<job_dir>/grader/model.keras``, up to 200 MiB) is kept only when the
-  stored verdict is a pass. :class:`JobRetention` removes a student's oldest job directories beyond a count or a
-  byte quota; the database rows and verdicts stay, and the directory of a queued or running job (or of a job
-  whose grader still runs) is never removed.
+  (0700/0600). The model a run wrote (``<job_dir>/grader/model.keras`` or ``model.pt2``, up to 200 MiB) is kept
+  only when the stored verdict is a pass. :class:`JobRetention` removes a student's oldest job directories beyond a
+  count or a byte quota; the database rows and verdicts stay, and the directory of a queued or running job (or of a
+  job whose grader still runs) is never removed.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import psutil
 
-from . import store
+from . import spec, store
 from .assess_helper import DATA_VARIABLES
 from .contention import busy_machine_sentence
 from .queue import ACTIVE_STATES, DONE, RERUN_MACHINE_BUSY, AssessQueue
@@ -146,8 +146,9 @@ def grader_out_dir(job_dir: Path) -> Path:
     return Path(job_dir) / "grader"
 
 
-def model_file(job_dir: Path) -> Path:
-    return grader_out_dir(job_dir) / "model.keras"
+def model_files(job_dir: Path) -> list[Path]:
+    """Where the grader leaves the model a run saved, whichever framework's file it is."""
+    return [grader_out_dir(job_dir) / name for name in spec.MODEL_FILES.values()]
 
 
 def open_private(path: Path, mode: str):
@@ -425,7 +426,8 @@ class GradingWorkers:
         """Once a job has ended: its model stays only with a stored pass; then the student's retention."""
         try:
             if not is_pass(self.queue.get(job["id"])):
-                model_file(job["job_dir"]).unlink(missing_ok=True)
+                for model in model_files(job["job_dir"]):
+                    model.unlink(missing_ok=True)
             if self.retention is not None:
                 self.retention.prune(self.queue, job["student"])
         except Exception as error:  # a full or failing disk must not stop the worker

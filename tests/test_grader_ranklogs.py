@@ -52,3 +52,20 @@ def test_over_long_lines_are_cut_and_stay_in_their_rank_log(tmp_path):
     assert Path(ranks[1]).read_text().count("y") == 3 * ranklogs.LINE_CAP_BYTES
     assert Path(ranks[0]).read_text() == "short\n"
     assert Path(launcher_log).read_text() == ""
+
+
+def test_torchrun_tags_split_each_ranks_lines_and_tracebacks(tmp_path):
+    demux = ranklogs.RankLogDemux(tmp_path)
+    for line in (b"W1127 11:55:04.878000 torch/distributed/run.py:874] Setting OMP_NUM_THREADS\n",
+                 b"[default0]:epoch 1/8  loss 2.0  val_accuracy 0.31\n",
+                 b"[default1]:Traceback (most recent call last):\n",
+                 b'[default1]:  File "assessment.py", line 3, in <module>\n',
+                 b"[default1]:ValueError: bad shape\n",
+                 b"[default0]:epoch 2/8  loss 1.5  val_accuracy 0.42\n"):
+        demux.feed_line(line)
+    ranks, launcher, truncated = demux.close()
+    assert sorted(ranks) == [0, 1] and truncated == []
+    assert (tmp_path / "rank-0.log").read_text().splitlines()[-1] == "epoch 2/8  loss 1.5  val_accuracy 0.42"
+    assert "OMP_NUM_THREADS" in Path(launcher).read_text()
+    assert (demux.epochs_seen, demux.latest_accuracy) == (2, 0.42)
+    assert demux.tracebacks()[1].splitlines()[-1] == "ValueError: bad shape"

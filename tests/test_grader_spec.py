@@ -192,3 +192,21 @@ print(spec.tomllib.__name__, commands.tomllib.__name__, track.ranks, track.time_
                           env=subprocess_env())
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[:3] == ["tomli", "tomli", "2"], done.stdout
+
+
+def test_a_torchrun_track_is_a_pytorch_track_and_names_its_model_file(tmp_path):
+    tracks = spec.load_tracks(spec.DEFAULT_TRACKS_FILE)
+    ddp = tracks["cifar10-ddp-cpu"]
+    assert (ddp.launcher, ddp.framework, ddp.model_file, ddp.horovod) == ("torchrun", "pytorch", "model.pt2", False)
+    keras = tracks["cifar10-cpu"]
+    assert (keras.framework, keras.model_file, keras.horovod) == ("keras", "model.keras", True)
+    base = "[tracks.x]\ndataset = 'cifar10'\nranks = 2\ntarget_accuracy = 0.5\ntime_budget_s = 10\n"
+    for body, message in ((base + "launcher = 'torchrun'\n", "torchrun launches PyTorch runs only"),
+                          (base + "framework = 'jax'\n", "has framework 'jax'; known: keras, pytorch")):
+        (tmp_path / "tracks.toml").write_text(body)
+        with pytest.raises(spec.SpecError, match=message):
+            spec.load_tracks(tmp_path / "tracks.toml")
+    # Horovod for PyTorch: horovodrun with a PyTorch model file.
+    (tmp_path / "tracks.toml").write_text(base + "launcher = 'gloo'\nframework = 'pytorch'\n")
+    horovod_torch = spec.load_tracks(tmp_path / "tracks.toml")["x"]
+    assert (horovod_torch.model_file, horovod_torch.horovod) == ("model.pt2", True)

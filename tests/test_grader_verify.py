@@ -138,3 +138,62 @@ def test_the_runs_final_model_reaches_the_measuring_uid_whatever_the_graders_uma
     finally:
         os.umask(previous)
     assert measured.reason is None and measured.images == 10000, measured
+
+
+def pytorch_heldout_accuracy(model_path: Path, dataset: str) -> verify.ModelCheck:
+    heldout = verify.HeldoutProcess(dataset, framework="pytorch")
+    try:
+        return heldout.measure(model_path.parent, model_path.name, owner_uid=None)
+    finally:
+        heldout.close()
+
+
+def test_a_torch_export_program_is_measured_in_the_sandbox_in_the_pixel_type_it_was_exported_with(tmp_path):
+    import numpy as np
+    import torch
+
+    from scalelab.data import load
+    from scalelab.torch_models import SmallCNN, export_model_atomically
+
+    torch.manual_seed(0)
+    network = SmallCNN(input_shape=(28, 28, 1), filters=(8, 16), dense_units=32)
+    images, labels = load("fashion-mnist", "train")
+    pixels = torch.from_numpy(images[:512, ..., None])  # uint8, as the data loaders give them
+    optimizer = torch.optim.Adam(network.parameters(), 0.003)
+    for _ in range(30):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(network(pixels), torch.from_numpy(labels[:512].astype(np.int64))).backward()
+        optimizer.step()
+    export_model_atomically(network, tmp_path / "model.pt2", pixels[:2])
+    # The example the program keeps is two images, not the whole tensor it was sliced from.
+    assert (tmp_path / "model.pt2").stat().st_size < 400_000
+    measured = pytorch_heldout_accuracy(tmp_path / "model.pt2", "fashion-mnist")
+    assert measured.reason is None and measured.images == 10000, measured
+    assert 0.3 < measured.heldout_accuracy <= 1 and measured.trainable_variables == len(list(network.parameters()))
+    assert measured.trainable_parameters == sum(parameter.numel() for parameter in network.parameters())
+    # A float32 program gets float32 pixels, the same raw values: the same accuracy.
+    export_model_atomically(network, tmp_path / "float.pt2", pixels[:2].float())
+    assert pytorch_heldout_accuracy(tmp_path / "float.pt2", "fashion-mnist").heldout_accuracy == \
+        pytest.approx(measured.heldout_accuracy, abs=1e-3)
+    # A program for other images is refused with the shapes named.
+    export_model_atomically(SmallCNN(input_shape=(32, 32, 3)), tmp_path / "cifar.pt2",
+                            torch.zeros(2, 32, 32, 3, dtype=torch.uint8))
+    refused = pytorch_heldout_accuracy(tmp_path / "cifar.pt2", "fashion-mnist")
+    assert "takes inputs of shape (32, 32, 3)" in refused.reason
+
+
+def test_pytorch_model_file_refusals(tmp_path):
+    assert "save $SCALELAB_OUTPUT_DIR/model.pt2" in pytorch_heldout_accuracy(tmp_path / "model.pt2",
+                                                                               "fashion-mnist").reason
+    corrupt = tmp_path / "model.pt2"
+    corrupt.write_bytes(b"PK\x03\x04 not really a zip")
+    assert "not a torch.export archive" in verify.model_file_problem(corrupt)
+    bomb = tmp_path / "bomb.pt2"
+    with zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("data/0", b"\0" * (verify.MODEL_SIZE_LIMIT_BYTES + 1))
+    assert "unpacks to" in verify.model_file_problem(bomb)
+    # A zip that is no program is loaded in the sandbox and refused there, with torch.export's reason.
+    with zipfile.ZipFile(tmp_path / "empty.pt2", "w") as archive:
+        archive.writestr("nothing", b"")
+    assert "could not be loaded with torch.export.load" in pytorch_heldout_accuracy(tmp_path / "empty.pt2",
+                                                                                      "fashion-mnist").reason

@@ -174,3 +174,36 @@ def test_figures_for_the_verdict_are_plain_json(ranks):
     figures = witness.figures(timeline, witness.traffic_evidence(10**6, timeline, 1000, 2, ranks), 1000)
     assert json.loads(json.dumps(figures)) == figures
     assert figures["traffic"]["minimum_ratio"] == witness.MIN_TRAFFIC_RATIO
+
+
+def test_the_traffics_spread_counts_tenths_with_bulk_bytes_and_ignores_small_packets():
+    segment = witness.BULK_SAMPLE_BYTES
+    # (seconds, cumulative bytes, cumulative packets) as the grader samples the loopback
+    steady = [(t, t * 4 * segment, t * 10) for t in range(0, 21)]
+    assert witness.traffic_spread(steady) == (10, 19.0)
+    # Bulk at the start and at the end only: two tenths, however long the span.
+    bursts = [(0, 0, 0), (1, 2 * segment, 5), (2, 2 * segment, 6), (30, 2 * segment, 90), (31, 4 * segment, 95)]
+    assert witness.traffic_spread(bursts) == (2, 30.0)
+    # Many small packets (coordination, keep-alives) never count as bulk, whatever they add up to.
+    chatter = [(t, t * 1000 * 100, t * 1000) for t in range(0, 21)]
+    assert witness.traffic_spread(chatter) == (0, 0.0)
+    assert witness.traffic_spread([]) == (0, 0.0)
+
+
+def test_a_ddp_runs_witnesses_name_a_rank_that_only_waits_too_little_traffic_and_bursts():
+    parameters = 100_000
+    per_step = witness.expected_traffic_bytes(parameters, 1, 2)
+    enough = witness.ddp_traffic_evidence(int(per_step * 50), parameters, 2, packets=1000)
+    assert enough.steps == pytest.approx(50, abs=0.5) and enough.ratio > 1
+    honest = witness.RankEvidence([40.0, 38.5], active_deciles=10, span_s=30.0)
+    assert witness.ddp_evidence_problems(honest, enough, np=2, min_spread_deciles=8) == []
+    waiting = witness.RankEvidence([40.0, 3.0], active_deciles=10, span_s=30.0)
+    assert "computed less than 50% of the busiest" in witness.ddp_evidence_problems(waiting, enough, 2, 8)[0]
+    one = witness.RankEvidence([40.0], active_deciles=10, span_s=30.0)
+    assert "saw 1 rank processes of the 2" in witness.ddp_evidence_problems(one, enough, 2, 8)[0]
+    little = witness.ddp_traffic_evidence(int(per_step * 5), parameters, 2, packets=100)
+    assert f"less than {witness.MIN_DDP_STEPS} averagings" in witness.ddp_evidence_problems(honest, little, 2, 8)[0]
+    bursty = witness.RankEvidence([40.0, 38.5], active_deciles=2, span_s=30.0)
+    assert "in only 2 of 10 tenths" in witness.ddp_evidence_problems(bursty, enough, 2, 8)[0]
+    figures = witness.ddp_figures(honest, enough, parameters)
+    assert json.loads(json.dumps(figures)) == figures and figures["traffic"]["minimum_steps"] == witness.MIN_DDP_STEPS

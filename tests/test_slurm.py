@@ -110,6 +110,18 @@ def test_an_honest_submission_passes_through_slurm(tmp_path, slurm_cluster):
     assert "epoch 1/1" in (Path(verdict["logs_dir"]) / "rank-0.log").read_text()  # logs came back from the job
 
 
+def test_a_ddp_submission_passes_through_slurm_on_a_torchrun_track(tmp_path, slurm_cluster):
+    # torchrun starts every rank inside the one Slurm task, as horovodrun does; the witnesses are read there too.
+    code, verdict, _ = assess_through_slurm(tmp_path, SUBMISSIONS / "ddp_small.py", "fashion-mnist-ddp-test")
+    assert (code, verdict["verdict"]) == (0, "pass"), verdict["reasons"]
+    ranks = verdict["witnesses"]["ranks"]
+    assert len(ranks["rank_cpu_s"]) == 2 and ranks["active_deciles"] >= 6
+    assert verdict["witnesses"]["traffic"]["steps"] >= 60
+    assert slurm_job_state(verdict["slurm_job_id"]) == "COMPLETED"
+    assert Path(verdict["model_path"]).name == "model.pt2"
+    assert "epoch 2/2" in (Path(verdict["logs_dir"]) / "rank-1.log").read_text()
+
+
 def test_serial_baseline_fails_through_slurm(tmp_path, slurm_cluster):
     # The cifar10-cpu reference/baseline pair is graded by the local backend's test (test_grader_reference.py);
     # both backends share the same launch, verify and verdict code. Through Slurm the baseline runs on the short

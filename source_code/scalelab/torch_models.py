@@ -70,6 +70,9 @@ def export_model_atomically(model: nn.Module, path: Path | str, example_pixels: 
     reader (the grader, which copies every version while the run goes) never sees a half-written file."""
     path = Path(path)
     module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    # The program keeps its example inputs: a slice would bring its whole data set along (a view is saved with
+    # all of the storage it views), so the example is copied first.
+    example_pixels = example_pixels.detach().clone()
     was_training = module.training
     module.eval()  # the program records the layers as they evaluate: dropout off
     try:

@@ -1,0 +1,167 @@
+"""The instructor's reference solution of the PyTorch assessment on Horovod: assessment_pytorch.py converted to
+Horovod for PyTorch and tuned, for the tracks that launch it with horovodrun (../solution/assessment_pytorch.py is
+the DDP one, for torchrun).
+
+Diff it against ../assessment_pytorch.py: every Horovod change carries a `# Horovod:` comment; the tuning changes
+are the DDP solution's (batch norm, momentum, a larger batch with a scaled learning rate, warmup and a step decay,
+fewer epochs), argparse defaults, so that a plain `horovodrun -np N python assessment_pytorch.py` runs them.
+
+Students never see this file: the grader hides assessment/solution/ from every submission it runs.
+"""
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import horovod.torch as hvd
+import torch
+from torch.utils.data import DataLoader, Subset, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from scalelab.data import DataError, load
+from scalelab.runtime import usable_cores
+from scalelab.progress import format_epoch
+from scalelab.torch_models import SmallCNN, cifar_cnn, export_model_atomically
+
+# Tuned per data set: the grader runs with no arguments, so the data set the track names picks these.
+DATASET = os.environ.get("SCALELAB_DATASET", "cifar10")
+TUNED = {
+    "cifar10": dict(batch_size=64, epochs=8, lr=0.025, warmup_epochs=1.0, decay_epochs=(6,)),
+    "fashion-mnist": dict(batch_size=128, epochs=1, lr=0.05, warmup_epochs=0.25, decay_epochs=()),
+}[DATASET]
+
+parser = argparse.ArgumentParser(description="ScaleLab assessment: CIFAR-10 with PyTorch (reference Horovod solution)")
+parser.add_argument("--dataset", choices=("cifar10", "fashion-mnist"), default=DATASET,
+                    help="which data set to train on")
+parser.add_argument("--batch-size", type=int, default=TUNED["batch_size"], help="training images per step per rank")
+parser.add_argument("--epochs", type=int, default=TUNED["epochs"], help="epochs to train")
+parser.add_argument("--lr", type=float, default=TUNED["lr"], help="SGD learning rate for one rank (scaled by ranks)")
+parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+parser.add_argument("--warmup-epochs", type=float, default=TUNED["warmup_epochs"],
+                    help="epochs over which the learning rate rises linearly to its scaled value")
+parser.add_argument("--val-fraction", type=float, default=0.1,
+                    help="fraction of the training images kept aside for validation")
+args = parser.parse_args()
+if args.batch_size < 1 or args.epochs < 1 or args.lr <= 0 or not 0 < args.val_fraction < 1:
+    parser.error("--batch-size and --epochs must be at least 1, --lr positive, --val-fraction in (0, 1)")
+
+# Horovod: start it; every process learns its rank (which one it is) and the size (how many there are).
+hvd.init()
+rank, world_size = hvd.rank(), hvd.size()
+# Horovod: the ranks on one machine share its cores (torchrun sets one thread a rank; horovodrun leaves it to us).
+torch.set_num_threads(max(1, usable_cores() // hvd.local_size()))
+# Horovod: only rank 0 prints and saves the model (the DO-NOT-EDIT section below reads this name).
+is_chief = rank == 0
+torch.manual_seed(0)
+
+try:
+    images, labels = load(args.dataset, "train")
+except DataError as error:
+    parser.exit(3, f"{parser.prog}: error: {error}\n")
+if images.ndim == 3:  # Fashion-MNIST is greyscale: add the channel axis the convolutions expect
+    images = images[..., None]
+validation_size = int(len(images) * args.val_fraction)
+pixels, classes = torch.from_numpy(images), torch.from_numpy(labels.astype(np.int64))
+train_set = TensorDataset(pixels[:-validation_size], classes[:-validation_size])
+val_set = TensorDataset(pixels[-validation_size:], classes[-validation_size:])
+# Horovod: each rank trains on its own 1/size of the images, in an order that changes every epoch (set_epoch).
+train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler)
+# Horovod: and validates on its own share of the validation images, exactly once each.
+val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=512)
+steps_per_epoch = len(train_loader)
+
+model = cifar_cnn(batch_norm=True, bn_momentum=0.9) if args.dataset == "cifar10" else \
+    SmallCNN(input_shape=images.shape[1:], batch_norm=True, bn_momentum=0.9)
+loss_function = torch.nn.CrossEntropyLoss()
+# Horovod: the global batch is size times larger, so the learning rate grows with it (linear scaling), reached by
+# a warmup that keeps the first steps stable, then divided by 10 at each decay epoch.
+optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * world_size, momentum=args.momentum)
+# Horovod: average the gradients of all ranks at every step, each parameter's under its own name.
+optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+# Horovod: start every rank from rank 0's initial weights and optimizer state.
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+warmup_steps = max(1, round(args.warmup_epochs * steps_per_epoch))
+
+
+def learning_rate_factor(step):
+    warmup = min(1.0, (step + 1) / warmup_steps)
+    return warmup * 0.1 ** sum(step >= epoch * steps_per_epoch for epoch in TUNED["decay_epochs"])
+
+
+schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, learning_rate_factor)
+
+# ---------------------------------------------------------------------------------------------------------------
+# DO NOT EDIT this section: the grader evaluates the models saved here, on held-out images: each epoch's as your
+# run goes (it copies every version, on its own clock) and the last one after your run ends.
+# The model must take raw 0-255 pixels (batch x height x width x channels) and output 10 class scores; it is saved
+# as a torch.export program, which the grader runs without your code. Only the chief process saves it.
+output_dir = Path(os.environ.get("SCALELAB_OUTPUT_DIR", "output"))
+model_path = output_dir / "model.pt2"
+example_pixels = pixels[:2]
+if is_chief:
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+
+def save_model():
+    if is_chief:
+        export_model_atomically(model, model_path, example_pixels)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def summed(*figures):
+    # Horovod: add up a figure over the ranks, so rank 0 prints the whole model's, not its own share's.
+    total = torch.tensor(figures, dtype=torch.float64)
+    return hvd.allreduce(total, op=hvd.Sum, name="summed").tolist()
+
+
+def evaluate(loader):
+    """Mean loss and accuracy of the model on every rank's share of the validation images together."""
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    with torch.no_grad():
+        for batch_pixels, batch_classes in loader:
+            scores = model(batch_pixels)
+            loss_sum += loss_function(scores, batch_classes).item() * len(batch_classes)
+            correct += (scores.argmax(dim=1) == batch_classes).sum().item()
+            count += len(batch_classes)
+    loss_sum, correct, count = summed(loss_sum, correct, count)
+    return loss_sum / count, correct / count
+
+
+if is_chief:
+    print(f"training on {len(train_set)} images, validating on {len(val_set)}, batch {args.batch_size} per rank "
+          f"on {world_size} ranks", flush=True)
+started = time.perf_counter()
+for epoch in range(args.epochs):
+    model.train()
+    # Horovod: a new order of the images each epoch, the same on every rank, so the shards stay disjoint.
+    train_sampler.set_epoch(epoch)
+    epoch_started, loss_sum, correct, count = time.perf_counter(), 0.0, 0, 0
+    for batch_pixels, batch_classes in train_loader:
+        optimizer.zero_grad()
+        scores = model(batch_pixels)
+        loss = loss_function(scores, batch_classes)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        loss_sum += loss.item() * len(batch_classes)
+        correct += (scores.argmax(dim=1) == batch_classes).sum().item()
+        count += len(batch_classes)
+    loss_sum, correct, count = summed(loss_sum, correct, count)
+    images_per_s = count / (time.perf_counter() - epoch_started)
+    val_loss, val_accuracy = evaluate(val_loader)
+    save_model()
+    if is_chief:
+        print(format_epoch(epoch, args.epochs, {
+            "loss": loss_sum / count, "accuracy": correct / count, "val_loss": val_loss, "val_accuracy": val_accuracy,
+            "lr": optimizer.param_groups[0]["lr"], "images_per_s": images_per_s,
+            "elapsed_s": time.perf_counter() - started}), flush=True)
+
+# DO NOT EDIT: the final model.
+save_model()
+if is_chief:
+    print(f"saved {model_path}", flush=True)
