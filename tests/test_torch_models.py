@@ -91,3 +91,18 @@ def test_a_ddp_wrapped_model_is_exported_as_its_own_network(tmp_path):
     assert set(state) == set(network.state_dict()), "the program holds the network's weights, not the wrapper's"
     with pytest.raises(Exception):
         program.module()(torch.from_numpy(pixels(2, (32, 32, 3))))  # the shape it was exported for, only
+
+
+def test_each_ddp_rank_gets_a_gpu_of_its_own_with_nccl_shares_fewer_with_gloo_or_trains_on_the_cpu():
+    from scalelab.torch_models import ddp_device
+
+    # One GPU per local rank: rank k on GPU k, NCCL.
+    assert [ddp_device(rank, 4, cuda_devices=4) for rank in range(4)] == [
+        (torch.device("cuda", rank), "nccl") for rank in range(4)]
+    # Two ranks on one GPU (NCCL refuses that): both on it, over Gloo; three ranks on two GPUs in turn.
+    assert [ddp_device(rank, 2, cuda_devices=1) for rank in range(2)] == [(torch.device("cuda", 0), "gloo")] * 2
+    assert [ddp_device(rank, 3, cuda_devices=2)[0].index for rank in range(3)] == [0, 1, 0]
+    # No GPU (this machine, or CUDA_VISIBLE_DEVICES empty in the grader's measuring process): the CPU, Gloo.
+    assert ddp_device(1, 2, cuda_devices=0) == (torch.device("cpu"), "gloo")
+    assert ddp_device(0, 2) == ((torch.device("cpu"), "gloo") if not torch.cuda.is_available()
+                                else ddp_device(0, 2, torch.cuda.device_count()))

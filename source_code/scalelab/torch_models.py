@@ -11,6 +11,7 @@ grader never imports the student's code to measure the model.
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 from pathlib import Path
@@ -72,7 +73,10 @@ def export_model_atomically(model: nn.Module, path: Path | str, example_pixels: 
     module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     # The program keeps its example inputs: a slice would bring its whole data set along (a view is saved with
     # all of the storage it views), so the example is copied first.
-    example_pixels = example_pixels.detach().clone()
+    example_pixels = example_pixels.detach().cpu().clone()
+    # The grader measures on a CPU: a model trained on a GPU is exported from a copy of it on the CPU.
+    if any(tensor.device.type != "cpu" for tensor in [*module.parameters(), *module.buffers()]):
+        module = copy.deepcopy(module).cpu()
     was_training = module.training
     module.eval()  # the program records the layers as they evaluate: dropout off
     try:
@@ -84,3 +88,15 @@ def export_model_atomically(model: nn.Module, path: Path | str, example_pixels: 
     torch.export.save(program, partial)
     partial.replace(path)
     return path
+
+
+def ddp_device(local_rank: int, local_world_size: int, cuda_devices: int | None = None) -> tuple[torch.device, str]:
+    """The device a DDP rank trains on and its process group's backend, from its rank on this machine and how many
+    ranks the machine runs: a GPU of its own and NCCL where there is one for every local rank; GPUs shared in turn
+    and Gloo where there are fewer (NCCL refuses two ranks on one GPU); the CPU and Gloo where there is none.
+    ``cuda_devices``: the GPUs this process sees (default: ``torch.cuda.device_count()``, after
+    CUDA_VISIBLE_DEVICES)."""
+    count = torch.cuda.device_count() if cuda_devices is None else cuda_devices
+    if count < 1:
+        return torch.device("cpu"), "gloo"
+    return torch.device("cuda", local_rank % count), "nccl" if count >= local_world_size else "gloo"
