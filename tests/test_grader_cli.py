@@ -54,7 +54,8 @@ def test_unknown_track_exits_2_naming_the_known_tracks(tmp_path):
     submission = tmp_path / "assessment.py"
     submission.write_text("print('hi')\n")
     done = scalelab("assess", submission, "--track", "gpu-please")
-    assert done.returncode == 2 and "known tracks: cifar10, cifar10-cpu, cifar10-ddp-cpu, fashion-mnist-cpu" in done.stderr
+    known = "cifar10, cifar10-cpu, cifar10-ddp-cpu, cifar10-horovod-torch-cpu, fashion-mnist-cpu"
+    assert done.returncode == 2 and f"known tracks: {known}" in done.stderr
 
 
 def test_syntax_error_is_a_failing_submission_with_the_line_in_the_reasons(tmp_path):

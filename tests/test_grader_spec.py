@@ -198,6 +198,8 @@ def test_a_torchrun_track_is_a_pytorch_track_and_names_its_model_file(tmp_path):
     tracks = spec.load_tracks(spec.DEFAULT_TRACKS_FILE)
     ddp = tracks["cifar10-ddp-cpu"]
     assert (ddp.launcher, ddp.framework, ddp.model_file, ddp.horovod) == ("torchrun", "pytorch", "model.pt2", False)
+    horovod_torch = tracks["cifar10-horovod-torch-cpu"]
+    assert (horovod_torch.launcher, horovod_torch.model_file, horovod_torch.horovod) == ("gloo", "model.pt2", True)
     keras = tracks["cifar10-cpu"]
     assert (keras.framework, keras.model_file, keras.horovod) == ("keras", "model.keras", True)
     base = "[tracks.x]\ndataset = 'cifar10'\nranks = 2\ntarget_accuracy = 0.5\ntime_budget_s = 10\n"
