@@ -18,8 +18,9 @@ The grader sets SCALELAB_OUTPUT_DIR (where the run may write), SCALELAB_TRACK, S
 slice of it. The grader measures accuracy itself, on held-out images you cannot read.
 
 The grader's track for it is cifar10-ddp-cpu (assessment/tracks.toml): `scalelab assess assessment_pytorch.py
---track cifar10-ddp-cpu` grades it from a terminal. (The Assess button in JupyterLab grades the Keras script,
-assessment.py, for now.)
+--track cifar10-ddp-cpu` grades it from a terminal. Converted to Horovod for PyTorch instead, it is graded on
+cifar10-horovod-torch-cpu (horovodrun). (The Assess button in JupyterLab grades the Keras script, assessment.py, for
+now.)
 """
 
 import argparse
