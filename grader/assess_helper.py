@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-from scalelab.grader import jobfiles
+from scalelab.grader import jobfiles, spec
 from scalelab.grader.caller import Refused, can_list, caller_uid, open_callers_directory, read_as, start_as, \
     wait_for
 from scalelab.grader.pipeline import SUBMISSION_SIZE_LIMIT_BYTES
@@ -54,8 +54,8 @@ PROGRESS_INTERVAL_S = 1.0
 # How long the grader may take to stop its run and clean up after SIGTERM before it is killed.
 STOP_GRACE_S = 30.0
 # What is copied back once the grader is done, the verdict last: its presence says the rest is there.
-RESULT_FILES = ("grader-error.log", "model.keras", "model.pt2", "verdict.json")
-MODEL_FILES = ("model.keras", "model.pt2")
+MODEL_FILES = tuple(spec.MODEL_FILES.values())
+RESULT_FILES = ("grader-error.log", *MODEL_FILES, "verdict.json")
 LOGS_DIR_NAME = "logs"
 
 
