@@ -99,12 +99,14 @@ def test_lab2_plots_training_against_validation_for_an_underfit_an_overfit_and_a
 @pytest.mark.slow
 def test_lab2_measures_four_input_pipelines_over_tfrecord_files_and_the_model_beside_them(executed_lab2):
     text, _, _, _ = outputs_of(code_cell_containing(executed_lab2, "for name, options in PIPELINES.items()"))
-    measured = re.findall(r"^ *(plain|parallel|\+ prefetch|\+ cache): read +(\d+) img/s, trained +(\d+) img/s$",
-                          text, re.MULTILINE)
-    assert [name for name, _, _ in measured] == ["plain", "parallel", "+ prefetch", "+ cache"], text
-    assert all(int(read) > 0 and int(trained) > 0 for _, read, trained in measured), text
-    reading = {name: int(read) for name, read, _ in measured}
-    assert reading["+ cache"] > 5 * reading["plain"], f"the cached pass decodes nothing: {text}"  # ~180x measured
+    measured = re.findall(r"^ *(plain|parallel|\+ prefetch|\+ cache): read +(\d+) img/s \( *(\d+) PNGs decoded\), "
+                          r"trained +(\d+) img/s$", text, re.MULTILINE)
+    assert [name for name, _, _, _ in measured] == ["plain", "parallel", "+ prefetch", "+ cache"], text
+    assert all(int(read) > 0 and int(trained) > 0 for _, read, _, trained in measured), text
+    # What cache saves is counted, not timed: its second pass decodes nothing, every other pass decodes every image.
+    decoded = {name: int(count) for name, _, count, _ in measured}
+    images = SMALL_SETTINGS["PIPELINE_IMAGES"]
+    assert decoded == {"plain": images, "parallel": images, "+ prefetch": images, "+ cache": 0}, text
     assert re.search(r"the model alone, from memory: \d+ img/s", text), text
     _, _, images, _ = outputs_of(code_cell_containing(executed_lab2, "axis.axhline(model_speed"))
     assert images == 1, "the pipelines' bar chart is missing"
