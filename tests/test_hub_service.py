@@ -370,13 +370,13 @@ def test_the_panel_says_in_a_sentence_when_the_hub_has_no_such_service_or_it_doe
     kernel_of(hub, hub.students["C"])
     with pytest.raises(panel.ServiceError, match="not running right now"):
         panel.AssessClient(f"http://127.0.0.1:{free_port()}/services/scalelab/", hub.tokens[hub.students["C"]],
-                           api_prefix=panel.HUB_API_PREFIX, submission_file=Path("assessment.py")).service()
+                           api_prefix=panel.HUB_API_PREFIX, submission_dir=Path(".")).service()
     with pytest.raises(panel.ServiceError, match="runs no Assess service"):
         panel.AssessClient(f"{hub.url}/services/nothing-here/", hub.tokens[hub.students["C"]],
-                           api_prefix=panel.HUB_API_PREFIX, submission_file=Path("assessment.py")).service()
+                           api_prefix=panel.HUB_API_PREFIX, submission_dir=Path(".")).service()
     with pytest.raises(panel.ServiceError, match="did not accept this kernel's JupyterHub token"):
         panel.AssessClient(hub.service_url, "not-a-token", api_prefix=panel.HUB_API_PREFIX,
-                           submission_file=Path("assessment.py")).service()
+                           submission_dir=Path(".")).service()
 
 
 # --- the Hub restarts it, and nothing is lost ----------------------------------------------------------------------
@@ -402,16 +402,28 @@ def test_killing_the_service_the_hub_restarts_it_and_the_running_job_is_graded_a
     for process in (helpers[0], graders[0]):
         assert process.uids().real == 0
         assert not any(name.startswith("JUPYTERHUB_") for name in process.environ()), "the Hub's token leaked"
-    service.kill()
-    service.wait(timeout=30)
-    # The service gone, its end of the helper's input closed: the helper stops the grading.
-    _gone, alive = psutil.wait_procs(helpers + graders, timeout=assess_helper.STOP_GRACE_S + 15)
-    assert not alive, alive
+    # The Hub starts the service again as soon as it sees it gone, within seconds: held still meanwhile, so that the
+    # panel's answer to a service that is down is seen for sure. The proxy, a process of its own, goes on routing.
+    hub_process = service.parent()
+    assert "jupyterhub" in " ".join(hub_process.cmdline()), hub_process.cmdline()
+    hub_process.suspend()
+    try:
+        service.kill()
+        deadline = time.monotonic() + 30
+        # Dead but not reaped (its parent, the Hub, is held still): a zombie, which psutil's wait would wait on.
+        while service.is_running() and service.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the killed service still runs"
+            time.sleep(0.2)
+        # The service gone, its end of the helper's input closed: the helper stops the grading.
+        _gone, alive = psutil.wait_procs(helpers + graders, timeout=assess_helper.STOP_GRACE_S + 15)
+        assert not alive, alive
 
-    # Until the Hub has started it again, the panel says so in a sentence.
-    kernel_of(hub, hub.students["C"])
-    with pytest.raises(panel.ServiceError, match="not running right now"):
-        panel.AssessClient.for_this_notebook().service()
+        # Until the Hub has started it again, the panel says so in a sentence.
+        kernel_of(hub, hub.students["C"])
+        with pytest.raises(panel.ServiceError, match="not running right now"):
+            panel.AssessClient.for_this_notebook().service()
+    finally:
+        hub_process.resume()
 
     deadline = time.monotonic() + 180
     while True:
