@@ -19,8 +19,8 @@ slice of it. The grader measures accuracy itself, on held-out images you cannot 
 
 The grader's track for it is cifar10-ddp-cpu (assessment/tracks.toml): `scalelab assess assessment_pytorch.py
 --track cifar10-ddp-cpu` grades it from a terminal. Converted to Horovod for PyTorch instead, it is graded on
-cifar10-horovod-torch-cpu (horovodrun). (The Assess button in JupyterLab grades the Keras script, assessment.py, for
-now.)
+cifar10-horovod-torch-cpu (horovodrun). Where the course's Assess service grades one of these tracks, the Assess
+button in assessment.ipynb grades this file.
 """
 
 import argparse

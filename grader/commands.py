@@ -159,7 +159,7 @@ def grade_command(args: argparse.Namespace) -> int:
         track = load_track_or_usage(args.track, args.track_file)
         if args.parallel is not None and args.parallel < 1:
             raise UsageError("--parallel must be at least 1")
-        if not grading.find_submissions(root):
+        if not grading.find_submissions(root, track.submission_file):
             raise UsageError(f"{root} holds no student directories")
         ranks = track.resolve_ranks(len(environment.gpus()))
     except (UsageError, spec.SpecError) as error:
@@ -262,7 +262,8 @@ def register(subparsers) -> None:
 
     grade = subparsers.add_parser("grade", help="grade a class of submissions (resumable, K at a time)")
     grade.add_argument("submissions", help="directory of <student>/assessment.py, or an nbgrader course "
-                                           "(submitted/<student>/assessment/assessment.py)")
+                                           "(submitted/<student>/assessment/assessment.py); "
+                                           "assessment_pytorch.py for a PyTorch track")
     _add_track_arguments(grade)
     grade.add_argument("--parallel", type=int, default=None, help="jobs at a time (default: cores ÷ ranks)")
     grade.add_argument("--csv", default=None, help="the class CSV (default: OUT/grades.csv)")

@@ -36,14 +36,15 @@ DEFAULT_GRADEBOOK = spec.COURSE_ROOT / "labs" / "gradebook.db"
 # grade
 # ---------------------------------------------------------------------------------------------------------------
 
-def find_submissions(root: Path) -> dict[str, Path | None]:
-    """student → their assessment.py (None: nothing submitted), from ``<student>/assessment.py`` or nbgrader's
-    ``submitted/<student>/assessment/assessment.py`` (given the course directory or its submitted/)."""
+def find_submissions(root: Path, script: str = "assessment.py") -> dict[str, Path | None]:
+    """student → their script (None: nothing submitted), from ``<student>/<script>`` or nbgrader's
+    ``submitted/<student>/assessment/<script>`` (given the course directory or its submitted/); ``script`` is the
+    track's (``Track.submission_file``: assessment.py, or assessment_pytorch.py for PyTorch)."""
     if (root / "submitted").is_dir():
         root = root / "submitted"
     found = {}
     for student_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        candidates = [student_dir / "assessment.py", student_dir / ASSIGNMENT / "assessment.py"]
+        candidates = [student_dir / script, student_dir / ASSIGNMENT / script]
         found[student_dir.name] = next((c for c in candidates if c.is_file()), None)
     return found
 
@@ -51,8 +52,8 @@ def find_submissions(root: Path) -> dict[str, Path | None]:
 def _not_gradable(student: str, path: Path | None, track: spec.Track, out_dir: Path) -> dict | None:
     """A fail verdict for a student whose file cannot be a submission (nothing, empty, binary, too large)."""
     if path is None:
-        problem = f"no assessment.py was submitted (looked for {student}/assessment.py and " \
-                  f"{student}/{ASSIGNMENT}/assessment.py)"
+        script = track.submission_file
+        problem = f"no {script} was submitted (looked for {student}/{script} and {student}/{ASSIGNMENT}/{script})"
     else:
         try:
             check_submission_file(path)
@@ -104,7 +105,7 @@ def grade_class(submissions_root: Path, track: spec.Track, *, out_root: Path, pa
                 database: Path | None, gradebook_path: Path | None, log=print) -> list[dict]:
     """Grade every student's submission; returns their verdicts (stored ones reused unless ``regrade``)."""
     results = store.ResultsDatabase(database)
-    submissions = find_submissions(submissions_root)
+    submissions = find_submissions(submissions_root, track.submission_file)
     verdicts: dict[str, dict] = {}
     lock = threading.Lock()
     # The submission must not see the other students' files, the class's results or the gradebook.

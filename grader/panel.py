@@ -7,8 +7,9 @@ Every failure is shown as a sentence, never a traceback.
 
 Under JupyterHub (``$JUPYTERHUB_API_TOKEN`` and ``$JUPYTERHUB_SERVICE_PREFIX`` in the kernel) the panel talks to
 the class's Assess service instead (``grader/service/hub.py``, at ``$SCALELAB_ASSESS_SERVICE_URL``) with the
-user's own token, and sends the content of ``assessment.py`` (next to the notebook) with the request: the
-service reads no student's files.
+user's own token, and sends the content of the student's script (next to the notebook: ``assessment.py``, or
+``assessment_pytorch.py`` where the service grades a PyTorch track, as its ``api/service`` says) with the request:
+the service reads no student's files.
 
     from scalelab.grader.panel import AssessPanel
     AssessPanel()
@@ -19,6 +20,7 @@ from __future__ import annotations
 import html
 import io
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -32,6 +34,7 @@ HUB_API_PREFIX = "api"  # under the Hub service's own URL, /services/scalelab/
 HUB_SERVICE_NAME = "scalelab"
 FINAL_STATES = ("done", "interrupted")
 REQUEST_TIMEOUT_S = 30
+SCRIPT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.py")
 # Far beyond the service's limit: a file this big is refused here rather than sent.
 LARGEST_FILE_SENT_BYTES = 4 << 20
 HUB_SERVICE_DOWN = ("The course's grader service is not running right now (JupyterHub starts it again by itself): "
@@ -87,27 +90,29 @@ def hub_service_url() -> str:
 class AssessClient:
     """The REST API, with every failure turned into a ServiceError sentence.
 
-    With ``submission_file`` (the JupyterHub service) a submission sends that file's content; without it (the
-    single-user server) the server reads the student's file itself."""
+    With ``submission_dir`` (the JupyterHub service) a submission sends the content of the script the service
+    names (its ``submission_file``) in that folder; without it (the single-user server) the server reads the
+    student's file itself."""
 
     def __init__(self, base_url: str, token: str = "", api_prefix: str = API_PREFIX,
-                 submission_file: Path | None = None):
+                 submission_dir: Path | None = None):
         self.base_url = base_url.rstrip("/") + "/"
         self.api_prefix = api_prefix
-        self.submission_file = Path(submission_file) if submission_file is not None else None
+        self.submission_dir = Path(submission_dir) if submission_dir is not None else None
+        self.submission_name: str | None = None  # the script's name, from the service's description
         self.session = requests.Session()
         if token:
             self.session.headers["Authorization"] = f"token {token}"
 
     @property
     def hub(self) -> bool:
-        return self.submission_file is not None
+        return self.submission_dir is not None
 
     @classmethod
     def for_this_notebook(cls) -> "AssessClient":
         if under_jupyterhub():
             return cls(hub_service_url(), os.environ["JUPYTERHUB_API_TOKEN"], api_prefix=HUB_API_PREFIX,
-                       submission_file=Path(os.getcwd()) / "assessment.py")
+                       submission_dir=Path(os.getcwd()))
         return cls(*find_server())
 
     def _call(self, method: str, path: str, content: bytes | None = None) -> dict:
@@ -153,7 +158,9 @@ class AssessClient:
                                f"to register it (containers/hub/jupyterhub_config.py).")
 
     def _submission_content(self) -> bytes:
-        path = self.submission_file
+        if self.submission_name is None:
+            self.service()
+        path = self.submission_dir / self.submission_name
         try:
             with open(path, "rb") as stream:
                 size = os.fstat(stream.fileno()).st_size
@@ -172,7 +179,11 @@ class AssessClient:
                                f"{path.name} that you can read and click Assess again.") from None
 
     def service(self) -> dict:
-        return self._call("GET", "service")
+        info = self._call("GET", "service")
+        name = info.get("submission_file")
+        # Only a plain name next to the notebook: the service's answer never points the kernel elsewhere.
+        self.submission_name = name if isinstance(name, str) and SCRIPT_NAME.fullmatch(name) else "assessment.py"
+        return info
 
     def submit(self) -> tuple[dict, bool]:
         content = self._submission_content() if self.hub else None
@@ -201,10 +212,10 @@ def _number(value, form: str, missing: str = "—") -> str:
     return missing if value is None else format(value, form)
 
 
-def status_text(job: dict | None) -> str:
-    """One line saying where the job is."""
+def status_text(job: dict | None, script: str = "assessment.py") -> str:
+    """One line saying where the job is (``script``: the file the service grades)."""
     if job is None:
-        return "Not assessed yet: click Assess to grade your current assessment.py."
+        return f"Not assessed yet: click Assess to grade your current {script}."
     state = job["state"]
     if state == "queued":
         position = job.get("position")
@@ -224,6 +235,15 @@ def status_text(job: dict | None) -> str:
         return f"Assessment {job['id']}: interrupted, not graded."
     verdict = (job.get("verdict") or {}).get("verdict", "?")
     return f"Assessment {job['id']}: done. Verdict: {verdict.upper()}."
+
+
+def track_html(info: dict) -> str:
+    """What the service grades: the student's file, the track, its target and budget."""
+    script = info.get("submission_file") or "assessment.py"
+    return (f"<span class='scalelab-track'>Grades your <code>{html.escape(script)}</code> on track "
+            f"<b>{html.escape(str(info.get('track')))}</b>: held-out accuracy ≥ "
+            f"{_number(info.get('target_accuracy'), '.2f')} within {_number(info.get('time_budget_s'), '.0f')} s."
+            f"</span>")
 
 
 def _time_text(verdict: dict) -> str:
@@ -331,8 +351,9 @@ class AssessPanel(widgets.VBox):
     # Polling and drawing share the 2 cores with the run being timed: poll every 2 s, redraw only on new points.
     def __init__(self, client: AssessClient | None = None, poll_interval_s: float = 2.0):
         self.button = widgets.Button(description="Assess", button_style="primary", icon="check",
-                                     tooltip="Grade the current assessment.py with the course's grader")
+                                     tooltip="Grade your current script with the course's grader")
         self.status = widgets.HTML()
+        self.track_line = widgets.HTML()  # which file, on which track, to which target: once the service says
         self.progress = widgets.FloatProgress(value=0.0, min=0.0, max=1.0, description="time",
                                               layout=widgets.Layout(width="60%"))
         self.plot = widgets.Image(format="png", layout=widgets.Layout(display="none"))
@@ -340,8 +361,8 @@ class AssessPanel(widgets.VBox):
         self.history = widgets.HTML()
         self.board = widgets.HTML()
         self.error = widgets.HTML()
-        super().__init__([widgets.HBox([self.button, self.status]), self.progress, self.plot, self.verdict,
-                          self.error, widgets.HTML("<b>Your assessments</b>"), self.history,
+        super().__init__([widgets.HBox([self.button, self.status]), self.track_line, self.progress, self.plot,
+                          self.verdict, self.error, widgets.HTML("<b>Your assessments</b>"), self.history,
                           widgets.HTML("<b>Class board</b>"), self.board])
         self.add_class("scalelab-assess-panel")
         self.poll_interval_s = poll_interval_s
@@ -380,15 +401,15 @@ class AssessPanel(widgets.VBox):
     def _load(self) -> None:
         client = self._connect()
         info = self.service_info
-        self.button.tooltip = (f"Track {info['track']}: held-out accuracy ≥ {info['target_accuracy']} within "
-                               f"{info['time_budget_s']:.0f} s")
+        self.button.tooltip = (f"Grade your current {self._script()} on track {info['track']}: held-out accuracy "
+                               f"≥ {info['target_accuracy']} within {info['time_budget_s']:.0f} s")
+        self.track_line.value = track_html(info)
         jobs = client.history()
         self.history.value = history_html(jobs)
         self.board.value = board_html(client.board())
-        if jobs:
-            self._show_job(jobs[0])
-            if jobs[0]["state"] not in FINAL_STATES:  # e.g. the page was reloaded during a run
-                self._follow(jobs[0]["id"])
+        self._show_job(jobs[0] if jobs else None)
+        if jobs and jobs[0]["state"] not in FINAL_STATES:  # e.g. the page was reloaded during a run
+            self._follow(jobs[0]["id"])
 
     def _submit_and_follow(self) -> None:
         self.button.disabled = True
@@ -413,8 +434,12 @@ class AssessPanel(widgets.VBox):
                 return
             time.sleep(self.poll_interval_s)
 
+    def _script(self) -> str:
+        """The student's script the service grades, once it has said (assessment.py until then)."""
+        return self.service_info.get("submission_file") or "assessment.py"
+
     def _show_job(self, job: dict | None) -> None:
-        self.status.value = f"<span class='scalelab-status'>{html.escape(status_text(job))}</span>"
+        self.status.value = f"<span class='scalelab-status'>{html.escape(status_text(job, self._script()))}</span>"
         progress = (job or {}).get("progress") or {}
         budget = progress.get("time_budget_s") or (job or {}).get("time_budget_s") or self.service_info.get(
             "time_budget_s") or 1.0

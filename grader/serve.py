@@ -132,9 +132,10 @@ class AssessService(LoggingConfigurable):
         "student sees their own best time, their rank and the others' times without names."))
     allow_unsandboxed = Bool(False, config=True,
                              help="Grade even where bubblewrap cannot sandbox the submission (instructors only).")
-    submission_path = Unicode("assessment/assessment.py", config=True, help=(
+    submission_path = Unicode("", config=True, help=(
         "The student's file, relative to the server's root directory. '{student}' is replaced by the student's "
-        "name, for a server shared by several students, each in their own folder."))
+        "name, for a server shared by several students, each in their own folder. Default: the track's script "
+        "in assessment/ (assessment/assessment.py, or assessment/assessment_pytorch.py for a PyTorch track)."))
     student_identity = Enum(["auto", "jupyter-user", "server-owner"], default_value="auto", config=True, help=(
         "Who the student is: 'jupyter-user' (Jupyter's current user name), 'server-owner' (the account running "
         "the server), or 'auto': the owner when Jupyter's stock identity provider is in use (its token users "
@@ -165,6 +166,8 @@ class AssessService(LoggingConfigurable):
         self.track_name = self.track or None
         self.track_spec = spec.load_track(self.track_name, self.tracks_file or None)
         self.track_name = self.track_spec.name
+        if not self.submission_path:
+            self.submission_path = f"assessment/{self.track_spec.submission_file}"
         home = store.scalelab_home() / "assess"
         if not (self.jobs_dir and self.database_url):  # a default lives there
             home.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -215,8 +218,9 @@ class AssessService(LoggingConfigurable):
 
     def submission_file(self, student: str) -> Path:
         if self.root_dir is None:
-            raise SubmissionProblem(400, "This Assess service reads no files: send the content of your "
-                                         "assessment.py with the request (the Assess panel does).")
+            raise SubmissionProblem(400, f"This Assess service reads no files: send the content of your "
+                                         f"{self.track_spec.submission_file} with the request (the Assess panel "
+                                         f"does).")
         relative = self.submission_path.format(student=safe_student_name(student))
         # Normalized, not resolved: links in the student's part of the path are refused when it is read.
         path = Path(os.path.normpath(self.root_dir / relative))
@@ -351,7 +355,12 @@ class AssessService(LoggingConfigurable):
         return {"track": self.track_name, "dataset": self.track_spec.dataset,
                 "target_accuracy": self.track_spec.target_accuracy, "time_budget_s": self.track_spec.time_budget_s,
                 "slots": self.slot_count, "backend": self.backend, "max_queued": self.max_queued,
-                "submission_path": self.submission_path if self.root_dir is not None else "assessment.py",
+                "submission_path": (self.submission_path if self.root_dir is not None
+                                    else self.track_spec.submission_file),
+                # the file's name, for the panel to show (and, under the Hub, to send)
+                "submission_file": (Path(self.submission_path).name if self.root_dir is not None
+                                    else self.track_spec.submission_file),
+                "framework": self.track_spec.framework,
                 "min_seconds_between_submissions": self.min_seconds_between_submissions,
                 "counts": self.queue.counts()}
 

@@ -22,6 +22,8 @@ DATASETS = ("cifar10", "fashion-mnist")
 # A framework is what the student trains with: it decides the model file the grader measures and how.
 FRAMEWORKS = ("keras", "pytorch")
 MODEL_FILES = {"keras": "model.keras", "pytorch": "model.pt2"}
+# The script a student converts (assessment/ holds both): the file the Assess panel and class grading take.
+SUBMISSION_FILES = {"keras": "assessment.py", "pytorch": "assessment_pytorch.py"}
 # horovodrun --gloo / --mpi (Horovod for Keras or PyTorch), or torchrun (PyTorch's DDP, on Gloo).
 LAUNCHERS = ("gloo", "mpi", "torchrun")
 ALL_GPUS = "all-gpus"
@@ -92,6 +94,11 @@ class Track:
     def model_file(self) -> str:
         """The file the run saves its model to, under $SCALELAB_OUTPUT_DIR."""
         return MODEL_FILES[self.framework]
+
+    @property
+    def submission_file(self) -> str:
+        """The name of the student's script in assessment/ (the grader runs it as assessment.py all the same)."""
+        return SUBMISSION_FILES[self.framework]
 
     @property
     def horovod(self) -> bool:

@@ -137,10 +137,11 @@ def test_the_server_opens_on_the_students_own_copy_of_the_course(accounts, stude
     course = home / "scalelab"
     files = [path for path in course.rglob("*") if path.is_file()]
     names = {str(path.relative_to(course)) for path in files}
-    assert {"assessment/assessment.py", "assessment/assessment.ipynb", "labs/lab1/lab1_gradient_descent.ipynb",
-            "labs/lab4/allreduce_bandwidth.py"} <= names
-    assert (course / "assessment" / "assessment.py").read_bytes() == \
-        (PROJECT_ROOT / "assessment" / "assessment.py").read_bytes(), "the serial script, not the solution"
+    assert {"assessment/assessment.py", "assessment/assessment_pytorch.py", "assessment/assessment.ipynb",
+            "labs/lab1/lab1_gradient_descent.ipynb", "labs/lab4/allreduce_bandwidth.py"} <= names
+    for script in ("assessment.py", "assessment_pytorch.py"):
+        assert (course / "assessment" / script).read_bytes() == \
+            (PROJECT_ROOT / "assessment" / script).read_bytes(), "the serial script, not the solution"
     for path in files:
         assert "solution" not in str(path.relative_to(course)) and "source" not in path.parts
         text = path.read_text(errors="replace")

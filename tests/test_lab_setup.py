@@ -78,12 +78,14 @@ def test_student_view_holds_the_released_labs_and_the_assessment_and_no_solution
 
     released = {str(Path("labs") / path) for path in lab_setup.course_files(course / "labs" / "release")}
     assert {path.split("/")[1] for path in released} == set(ASSIGNMENTS)
-    assert files_in(view) == released | {"START.md", "assessment/assessment.ipynb", "assessment/assessment.py"}
+    assert files_in(view) == released | {"START.md", "assessment/assessment.ipynb", "assessment/assessment.py",
+                                         "assessment/assessment_pytorch.py"}
     assert sorted(report["copied"]) == sorted(files_in(view)) and report["kept"] == []
     for path in files_in(view):
         text = (view / path).read_text()
         assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text, path
-    assert (view / "assessment" / "assessment.py").read_text() == (course / "assessment" / "assessment.py").read_text()
+    for script in ("assessment.py", "assessment_pytorch.py"):  # the serial scripts, not the solutions
+        assert (view / "assessment" / script).read_text() == (course / "assessment" / script).read_text()
     assert not (view / "assessment" / "solution").exists() and not (view / "labs" / "source").exists()
     assert (view / "source_code").is_dir() and not (view / "source_code").is_symlink()
     assert sorted(path.name for path in (view / "source_code").iterdir()) == sorted(lab_setup.STUDENT_SOURCE)

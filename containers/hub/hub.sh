@@ -176,7 +176,8 @@ rm -rf "$staging"
     for script in $course_scripts; do
         cp "$project_root/source_code/$script" "$staging/source_code/"
     done
-    cp "$project_root/assessment/assessment.ipynb" "$project_root/assessment/assessment.py" "$staging/assessment/"
+    cp "$project_root/assessment/assessment.ipynb" "$project_root/assessment/assessment.py" \
+        "$project_root/assessment/assessment_pytorch.py" "$staging/assessment/"
     # The tracks the grader service reads (as scalelab, which cannot read a checkout under a private home).
     cp "$project_root/assessment/tracks.toml" "$staging/tracks.toml"
 )

@@ -7,8 +7,9 @@ JupyterHub starts it (and starts it again whenever it exits) as the service ``sc
 to set that up. Routes, under the service's prefix, as the single-user extension's (``grader/serve.py``):
 
 - ``GET  api/service``            what the service grades, and queue counts
-- ``POST api/assessments``        submit: the body is the student's ``assessment.py``, raw (any content type but
-                                  JSON) or as JSON ``{"source": "...", "filename": "assessment.py"}``; 201 with a
+- ``POST api/assessments``        submit: the body is the student's script (``assessment.py``, or the PyTorch
+                                  track's ``assessment_pytorch.py``), raw (any content type but JSON) or as JSON
+                                  ``{"source": "...", "filename": "assessment.py"}``; 201 with a
                                   new job, 200 with the student's active job, 413 over the size limit, 400 for
                                   what is not UTF-8 Python source, 429 with ``Retry-After`` when too soon
 - ``GET  api/assessments``        the student's history, newest first
@@ -266,28 +267,29 @@ class AssessmentsHandler(ServiceHandler):
         """(the script's bytes, its file name) from the body: raw, or JSON {"source", "filename"}."""
         body = self.body
         limit = SUBMISSION_SIZE_LIMIT_BYTES
+        expected = self.service.track_spec.submission_file  # assessment.py, or the PyTorch track's script
         content_type = self.request.headers.get("Content-Type", "").split(";")[0].strip().lower()
         if content_type != "application/json":
             if len(body) > limit:
                 raise SubmissionProblem(413, f"The request is {len(body)} bytes, over the {limit} byte limit for "
-                                             f"a submission; make assessment.py smaller and click Assess again.")
-            return body, "assessment.py"
+                                             f"a submission; make {expected} smaller and click Assess again.")
+            return body, expected
         if len(body) > JSON_BODY_LIMIT_BYTES:
             raise SubmissionProblem(413, f"The request is {len(body)} bytes, more than any submission under the "
-                                         f"{limit} byte limit takes; make assessment.py smaller.")
+                                         f"{limit} byte limit takes; make {expected} smaller.")
         try:
             document = json.loads(body)
         except UnicodeDecodeError:
-            raise SubmissionProblem(400, "The request is not UTF-8 text; send assessment.py as UTF-8.") from None
+            raise SubmissionProblem(400, f"The request is not UTF-8 text; send {expected} as UTF-8.") from None
         except ValueError as error:
             raise SubmissionProblem(400, f"The request is not valid JSON ({error}); send "
-                                         f'{{"source": "<the script>", "filename": "assessment.py"}}.') from None
+                                         f'{{"source": "<the script>", "filename": "{expected}"}}.') from None
         if not isinstance(document, dict) or not isinstance(document.get("source"), str):
-            raise SubmissionProblem(400, 'The request needs the script as text in "source": '
-                                         '{"source": "<the script>", "filename": "assessment.py"}.')
-        filename = document.get("filename") or "assessment.py"
+            raise SubmissionProblem(400, f'The request needs the script as text in "source": '
+                                         f'{{"source": "<the script>", "filename": "{expected}"}}.')
+        filename = document.get("filename") or expected
         if not isinstance(filename, str) or not FILENAME.fullmatch(filename):
-            raise SubmissionProblem(400, "The file name must be a plain Python file name such as assessment.py.")
+            raise SubmissionProblem(400, f"The file name must be a plain Python file name such as {expected}.")
         try:
             return document["source"].encode("utf-8"), filename
         except UnicodeEncodeError:  # a lone surrogate escaped in the JSON

@@ -37,8 +37,8 @@ JUPYTERLAB_SETTINGS = {
     # START.md and the READMEs are for reading; "Open With > Editor" still edits them.
     "@jupyterlab/docmanager-extension:plugin": {"defaultViewers": {"markdown": "Markdown Preview"}},
 }
-# Copied into the view once; from then on they are the student's.
-ASSESSMENT_FILES = ("assessment.ipynb", "assessment.py")
+# Copied into the view once; from then on they are the student's (the serial script of each edition: Keras, PyTorch).
+ASSESSMENT_FILES = ("assessment.ipynb", "assessment.py", "assessment_pytorch.py")
 # The course's source_code/ also holds the worked solutions and the benchmarks, so the view's is a folder of its own
 # that links only these: the course library and the scripts the labs run.
 STUDENT_SOURCE = ("scalelab", *COURSE_SCRIPTS)
