@@ -113,7 +113,8 @@ def test_make_lab_serves_the_students_view_and_none_of_the_instructors_material(
         "the course must not be served without Jupyter's authentication"
     assert names(lab.get("api/contents/").json()) == {"START.md", "labs", "assessment", "source_code"}
     assert names(lab.get("api/contents/labs").json()) == set(ASSIGNMENTS), "the released labs, no source/"
-    assert names(lab.get("api/contents/assessment").json()) == {"assessment.ipynb", "assessment.py", "tracks.toml"}
+    assert names(lab.get("api/contents/assessment").json()) == {"assessment.ipynb", "assessment.py",
+                                                                "assessment_pytorch.py", "tracks.toml"}
     for hidden in ("labs/source", "labs/release", "assessment/solution", "assessment/solution/assessment.py"):
         assert lab.get(f"api/contents/{hidden}").status_code in (400, 404), hidden
     quiz_source = (PROJECT_ROOT / "labs" / "source" / "quiz" / "quiz.ipynb").read_text()
@@ -122,9 +123,10 @@ def test_make_lab_serves_the_students_view_and_none_of_the_instructors_material(
         for entry in lab.get(f"api/contents/labs/{assignment}").json()["content"]:
             text = json.dumps(lab.get(f"api/contents/{entry['path']}").json()["content"])
             assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text, entry["path"]
-    served_script = lab.get("api/contents/assessment/assessment.py").json()["content"]
-    assert served_script == (PROJECT_ROOT / "assessment" / "assessment.py").read_text(), \
-        "the assessment to convert is the serial script, not the reference solution"
+    for script in ("assessment.py", "assessment_pytorch.py"):  # the Keras and the PyTorch edition
+        served_script = lab.get(f"api/contents/assessment/{script}").json()["content"]
+        assert served_script == (PROJECT_ROOT / "assessment" / script).read_text(), \
+            f"the {script} to convert is the serial script, not the reference solution"
     assert lab.get("api/kernelspecs").json()["default"] == "scalelab", "new notebooks get the course's kernel"
 
 
