@@ -35,6 +35,7 @@ HUB_SERVICE_NAME = "scalelab"
 FINAL_STATES = ("done", "interrupted")
 REQUEST_TIMEOUT_S = 30
 SCRIPT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.py")
+DEFAULT_SCRIPT = "assessment.py"  # what a service that does not say grades
 # Far beyond the service's limit: a file this big is refused here rather than sent.
 LARGEST_FILE_SENT_BYTES = 4 << 20
 HUB_SERVICE_DOWN = ("The course's grader service is not running right now (JupyterHub starts it again by itself): "
@@ -182,7 +183,7 @@ class AssessClient:
         info = self._call("GET", "service")
         name = info.get("submission_file")
         # Only a plain name next to the notebook: the service's answer never points the kernel elsewhere.
-        self.submission_name = name if isinstance(name, str) and SCRIPT_NAME.fullmatch(name) else "assessment.py"
+        self.submission_name = name if isinstance(name, str) and SCRIPT_NAME.fullmatch(name) else DEFAULT_SCRIPT
         return info
 
     def submit(self) -> tuple[dict, bool]:
@@ -212,7 +213,7 @@ def _number(value, form: str, missing: str = "—") -> str:
     return missing if value is None else format(value, form)
 
 
-def status_text(job: dict | None, script: str = "assessment.py") -> str:
+def status_text(job: dict | None, script: str = DEFAULT_SCRIPT) -> str:
     """One line saying where the job is (``script``: the file the service grades)."""
     if job is None:
         return f"Not assessed yet: click Assess to grade your current {script}."
@@ -239,7 +240,7 @@ def status_text(job: dict | None, script: str = "assessment.py") -> str:
 
 def track_html(info: dict) -> str:
     """What the service grades: the student's file, the track, its target and budget."""
-    script = info.get("submission_file") or "assessment.py"
+    script = info.get("submission_file") or DEFAULT_SCRIPT
     return (f"<span class='scalelab-track'>Grades your <code>{html.escape(script)}</code> on track "
             f"<b>{html.escape(str(info.get('track')))}</b>: held-out accuracy ≥ "
             f"{_number(info.get('target_accuracy'), '.2f')} within {_number(info.get('time_budget_s'), '.0f')} s."
@@ -436,7 +437,7 @@ class AssessPanel(widgets.VBox):
 
     def _script(self) -> str:
         """The student's script the service grades, once it has said (assessment.py until then)."""
-        return self.service_info.get("submission_file") or "assessment.py"
+        return self.service_info.get("submission_file") or DEFAULT_SCRIPT
 
     def _show_job(self, job: dict | None) -> None:
         self.status.value = f"<span class='scalelab-status'>{html.escape(status_text(job, self._script()))}</span>"
