@@ -34,9 +34,10 @@ c.Autograde.autograde_preprocessors = with_sandboxed_execute(
 c.SandboxedKernelManager.time_limit_s = 1800
 c.SandboxedKernelManager.memory_limit_bytes = 6 * 1024**3
 
-# Lab 3's students hand in their converted script next to the notebook. Autograding puts the source folder's files
-# back over a submission's; this one must stay the student's (the released copy holds only FIXMEs).
-c.Autograde.exclude_overwriting = {"lab3": ["fashion_mnist_student.py"]}
+# Lab 3's students (both editions) hand in their converted script next to the notebook. Autograding puts the source
+# folder's files back over a submission's; this one must stay the student's (the released copy holds only FIXMEs).
+c.Autograde.exclude_overwriting = {"lab3": ["fashion_mnist_student.py"],
+                                   "lab3_ddp": ["fashion_mnist_ddp_student.py"]}
 # ... and grading runs that script for one short epoch on two ranks (15–30 s on 2 cores): nbgrader's default limit
 # of 30 s a cell is too tight for it on a busy machine.
 c.Execute.timeout = 300

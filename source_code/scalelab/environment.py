@@ -59,7 +59,7 @@ def gpus() -> list[str]:
 
 # The course's scripts the labs run, next to the library in a checkout (source_code/); a shared install (the Hub's
 # venv) has only the library, and the operator's SCALELAB_SOURCE_DIR names where the scripts are.
-COURSE_SCRIPTS = ("fashion_mnist.py", "cifar10_ladder.py")
+COURSE_SCRIPTS = ("fashion_mnist.py", "fashion_mnist_pytorch.py", "cifar10_ladder.py")
 
 
 def course_source_dir(environ: dict[str, str] | None = None) -> Path:
@@ -78,6 +78,11 @@ def course_source_dir(environ: dict[str, str] | None = None) -> Path:
 def horovodrun_path() -> str | None:
     beside_python = Path(sys.executable).with_name("horovodrun")
     return str(beside_python) if beside_python.exists() else shutil.which("horovodrun")
+
+
+def torchrun_path() -> str | None:
+    beside_python = Path(sys.executable).with_name("torchrun")
+    return str(beside_python) if beside_python.exists() else shutil.which("torchrun")
 
 
 def horovod_build() -> dict[str, bool] | None:

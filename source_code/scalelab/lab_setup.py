@@ -43,7 +43,8 @@ ASSESSMENT_FILES = ("assessment.ipynb", "assessment.py", "assessment_pytorch.py"
 # that links only these: the course library and the scripts the labs run.
 STUDENT_SOURCE = ("scalelab", *COURSE_SCRIPTS)
 # Each lab's worked solution, out of the view until released after the lab.
-SOLUTIONS = {"lab3": ("source_code/fashion_mnist_horovod.py", "source_code/horovod_steps")}
+SOLUTIONS = {"lab3": ("source_code/fashion_mnist_horovod.py", "source_code/horovod_steps"),
+             "lab3_ddp": ("source_code/fashion_mnist_ddp.py",)}
 # Linked: the course's own, always current (the grader reads its own track file, never the view's).
 LINKS = ("assessment/tracks.toml", *(f"source_code/{name}" for name in STUDENT_SOURCE))
 IGNORED = {"__pycache__"}
