@@ -197,6 +197,7 @@ def instrument_data() -> None:
                  "sampler_epoch": getattr(sampler, "epoch", None), "dataset_size": dataset_size(self.dataset),
                  "indices": None, "batches": 0, "steps": None, "steps_before": record["steps"]}
         if isinstance(sampler, DistributedSampler):
+            entry.update(num_replicas=sampler.num_replicas, sampler_rank=sampler.rank, shuffle=sampler.shuffle)
             # Its order depends only on its seed and epoch: listing it again draws nothing from the script's RNG.
             entry["indices"] = [int(index) for index in sampler][:MAX_RECORDED_INDICES]
         record["passes"].append(entry)

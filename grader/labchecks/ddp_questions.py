@@ -95,13 +95,12 @@ def _ask_sampler(run: DDPRun) -> list[str]:
                     f"DistributedSampler: every rank goes through all {entry['dataset_size']} images each epoch, the "
                     "same images as the others. Give the DataLoader sampler=DistributedSampler(train_set, "
                     "shuffle=True) (and no shuffle=True of its own)"]
-    samplers = {rank: records[rank]["samplers"][entry["sampler_id"]] for rank, entry in first_epoch.items()}
-    for rank, sampler in sorted(samplers.items()):
-        if sampler["num_replicas"] != run.size:
-            return [f"rank {rank}'s DistributedSampler splits the images into {sampler['num_replicas']} share(s), but "
+    for rank, entry in sorted(first_epoch.items()):
+        if entry["num_replicas"] != run.size:
+            return [f"rank {rank}'s DistributedSampler splits the images into {entry['num_replicas']} share(s), but "
                     f"{run.size} ranks train: num_replicas is the world size (dist.get_world_size())"]
-        if sampler["rank"] != rank:
-            return [f"rank {rank}'s DistributedSampler hands it share {sampler['rank']}, another rank's: give it "
+        if entry["sampler_rank"] != rank:
+            return [f"rank {rank}'s DistributedSampler hands it share {entry['sampler_rank']}, another rank's: give it "
                     "rank=dist.get_rank(), so that each rank takes its own share"]
     found = []
     seen_by_zero = set(first_epoch[0]["indices"] or [])
@@ -118,7 +117,7 @@ def _ask_sampler(run: DDPRun) -> list[str]:
         epochs = [entry for _, entry in training_passes(record)[:run.epochs]]
         orders = {tuple(entry["indices"] or ()) for entry in epochs}
         if len(orders) < len(epochs):
-            if not samplers[rank]["shuffle"]:
+            if not epochs[0].get("shuffle", True):
                 found.append(f"rank {rank}'s DistributedSampler was made with shuffle=False: it hands out its images "
                              "in the same order every epoch; make it with shuffle=True (and call set_epoch each epoch)")
             else:
