@@ -71,6 +71,107 @@ WRONG = {
 }
 
 
+def recorded_rank(rank: int) -> dict:
+    """What the probe records of one rank of the worked solution's graded run (two epochs of 4 steps; a training
+    pass and a validation pass each epoch; two all-reduces each epoch)."""
+    order = {epoch: [(index * 37 + epoch * 11) % 256 for index in range(256)] for epoch in (0, 1)}
+    training = [{"sampler": "DistributedSampler", "distributed": True, "sampler_epoch": epoch, "dataset_size": 256,
+                 "indices": order[epoch][rank::2], "batches": 4, "steps": 4, "num_replicas": 2, "sampler_rank": rank,
+                 "shuffle": True} for epoch in (0, 1)]
+    validation = {"sampler": "SequentialSampler", "distributed": False, "sampler_epoch": None, "dataset_size": 64,
+                  "indices": None, "batches": 1, "steps": 0}
+    chief = rank == 0
+    return {"rank": rank, "stage": "finished", "error": None, "steps": 8, "peak_lr": 0.02,
+            "init": {"backend_asked": "gloo", "calls": 1, "backend": "gloo", "rank": rank, "world_size": 2},
+            "passes": [training[0], dict(validation), training[1], dict(validation)],
+            "ddp": [{"module": "SmallCNN", "group_ready": True}], "ddp_training_forwards": 8,
+            "all_reduces": [{"shape": [3], "dtype": "torch.float64", "op": "SUM", "passes_started": started,
+                             "steps": 4 * (started > 2)} for started in (1, 2, 3, 4)],
+            "writes": [{"how": "torch.save", "path": "/run/output/checkpoint.pt"}] * 2 if chief else [],
+            "printed": [f"epoch {epoch}/2  loss 1.9000  accuracy 0.3100  val_loss 1.7000  val_accuracy 0.4000"
+                        for epoch in (1, 2)] if chief else [],
+            "weights": {"first_step": "a", "after_passes": ["b", "c"], "end": "c"}}
+
+
+def recorded_run(change=None, finished: bool = True) -> ddp_run.DDPRun:
+    records = {rank: recorded_rank(rank) for rank in (0, 1)}
+    if change is not None:
+        change(records)
+    return ddp_run.DDPRun(0 if finished else None, None if finished else "no rank did anything new for 45 s",
+                          records=records)
+
+
+def rank_one(change):
+    return lambda records: change(records[1])
+
+
+def both_ranks(change):
+    return lambda records: [change(record) for record in records.values()]
+
+
+def training_of(record: dict) -> list[dict]:
+    return [entry for entry in record["passes"] if entry["steps"]]
+
+
+# Records a mistake leaves -> {step: a fragment of its message}; every other step must pass.
+RECORDED_MISTAKES = {
+    "a group of one process per rank": (both_ranks(lambda record: record["init"].update(world_size=1)),
+                                        {"init": "has 1 process(es), but torchrun started 2"}),
+    "a DataLoader that shuffles by itself": (
+        both_ranks(lambda record: [entry.update(sampler="RandomSampler", distributed=False, indices=None)
+                                   for entry in training_of(record)]),
+        {"sampler": "with a RandomSampler, not a DistributedSampler"}),
+    "rank 0's share on every rank": (
+        rank_one(lambda record: [entry.update(sampler_rank=0) for entry in training_of(record)]),
+        {"sampler": "rank 1's DistributedSampler hands it share 0"}),
+    "a seed per rank": (rank_one(lambda record: training_of(record)[0].update(indices=list(range(0, 256, 2)))),
+                        {"sampler": "of the same images as rank 0"}),
+    "shuffle=False": (both_ranks(lambda record: [
+        entry.update(shuffle=False, indices=list(range(record["rank"], 256, 2))) for entry in training_of(record)]),
+        {"sampler": "shuffle=False"}),
+    "the plain model trained": (both_ranks(lambda record: record.update(ddp_training_forwards=0)),
+                                {"ddp": "trained the plain model"}),
+    "the rate scaled twice": (both_ranks(lambda record: record.update(peak_lr=0.04)),
+                              {"scaled_lr": "multiplied by the world size twice"}),
+    "accuracies summed": (lambda records: records[0].update(printed=["epoch 1/2  loss 1.9000  accuracy 1.3100"]),
+                          {"metrics": "printed accuracy 1.31, more than 1"}),
+    "the all-reduce of rank 1 missing in epoch 2": (rank_one(lambda record: record.update(
+        all_reduces=record["all_reduces"][:2])), {"metrics": "rank 1 all-reduced nothing in epoch 2"}),
+    "rank 1 prints": (rank_one(lambda record: record.update(printed=["training on 256 images"])),
+                      {"rank0_writes": "rank 1 printed 1 line(s)"}),
+    "no checkpoint": (lambda records: records[0].update(writes=[]), {"rank0_writes": "rank 0 wrote no checkpoint"}),
+    "ranks apart": (rank_one(lambda record: record["weights"].update(end="d")), {"two_ranks": "different weights"}),
+}
+
+
+def test_the_questions_pass_the_records_of_a_right_conversion():
+    run = recorded_run()
+    assert {step: ddp_questions.problems(run, step) for step in ddp_questions.STEPS} == {
+        step: [] for step in ddp_questions.STEPS}
+
+
+@pytest.mark.parametrize("name", RECORDED_MISTAKES)
+def test_each_recorded_mistake_is_named_by_its_own_step_only(name):
+    change, rejected_by = RECORDED_MISTAKES[name]
+    run = recorded_run(change)
+    found = {step: ddp_questions.problems(run, step) for step in ddp_questions.STEPS}
+    assert {step for step, said in found.items() if said} == set(rejected_by), found
+    for step, fragment in rejected_by.items():
+        assert fragment in "; ".join(found[step]), found[step]
+
+
+def test_a_run_stopped_before_training_says_where_it_stopped_instead_of_guessing():
+    def stuck(records):
+        records[1] = {**recorded_rank(1), "stage": "init_process_group", "steps": 0, "passes": [], "writes": [],
+                      "printed": [], "all_reduces": [], "ddp": [], "init": {"backend_asked": "gloo", "calls": 1}}
+    found = {step: ddp_questions.problems(recorded_run(stuck, finished=False), step) for step in ddp_questions.STEPS}
+    for step in ("init", "sampler", "ddp", "scaled_lr", "metrics"):
+        assert found[step] and "stopped before this could be seen (rank 0: finished; rank 1: init_process_group)" \
+            in found[step][0], (step, found[step])
+    assert found["two_ranks"] == ["the two-rank run was stopped: no rank did anything new for 45 s (rank 0: finished; "
+                                  "rank 1: init_process_group)"]
+
+
 def converted(edits: tuple, folder: Path) -> Path:
     text = SOLUTION.read_text()
     for old, new in edits:
