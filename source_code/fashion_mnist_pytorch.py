@@ -24,7 +24,7 @@ parser = argparse.ArgumentParser(description="Fashion-MNIST with a small CNN in 
 parser.add_argument("--batch-size", type=int, default=128, help="training images per step")
 parser.add_argument("--val-batch-size", type=int, default=512, help="images per validation step")
 parser.add_argument("--epochs", type=int, default=5, help="epochs to train")
-parser.add_argument("--lr", type=float, default=0.02, help="learning rate of SGD")
+parser.add_argument("--lr", type=float, default=0.01, help="learning rate of SGD")
 parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
 parser.add_argument("--train-images", type=int, default=None, help="train on the first N images only")
 parser.add_argument("--val-images", type=int, default=None, help="validate on the first N held-out images only")
