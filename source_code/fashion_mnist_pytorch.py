@@ -41,15 +41,16 @@ if args.lr <= 0 or not 0 <= args.momentum < 1:
 # The same initial weights and order of images in every run, so that two runs differ only by what was changed.
 torch.manual_seed(0)
 
-# Data: raw uint8 pixels (the model rescales them) with a channel axis added.
+# Data: raw uint8 pixels (the model rescales them) with a channel axis added, copied (the loader's arrays are
+# read-only).
 try:
     train_images, train_labels = load("fashion-mnist", "train")
     val_images, val_labels = load("fashion-mnist", "test")
 except DataError as error:
     parser.exit(3, f"{parser.prog}: error: {error}\n")
-train_set = TensorDataset(torch.from_numpy(train_images[:args.train_images, ..., None]),
+train_set = TensorDataset(torch.tensor(train_images[:args.train_images, ..., None]),
                           torch.from_numpy(train_labels[:args.train_images].astype(np.int64)))
-val_set = TensorDataset(torch.from_numpy(val_images[:args.val_images, ..., None]),
+val_set = TensorDataset(torch.tensor(val_images[:args.val_images, ..., None]),
                         torch.from_numpy(val_labels[:args.val_images].astype(np.int64)))
 if len(train_set) < args.batch_size:
     parser.error(f"--batch-size {args.batch_size} is more than the {len(train_set)} training images")
