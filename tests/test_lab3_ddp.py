@@ -16,10 +16,11 @@ from typing import NamedTuple
 
 import nbformat
 import pytest
+from nbgrader.api import Gradebook
 
 import labtools
 from conftest import PROJECT_ROOT, subprocess_env
-from labtools import LABS, Wrong, assert_rejected, cell_by_grade_id, execute, outputs_of
+from labtools import LABS, Wrong, assert_rejected, cell_by_grade_id, execute, nbgrader, outputs_of
 from scalelab.grader.labchecks import ddp_hints, ddp_questions, ddp_run
 
 SOURCE = PROJECT_ROOT / "source_code"
@@ -331,11 +332,33 @@ def test_the_solved_notebook_runs_its_scripts_and_reports_every_step_ok(tmp_path
     assert {answer for answer, _ in answers_printed} == {"ok"}, outputs.text
 
 
+@pytest.fixture(scope="module")
+def released(tmp_path_factory) -> Path:
+    return labtools.released_course(tmp_path_factory, "lab3_ddp")
+
+
 @pytest.mark.slow
-def test_the_release_ships_the_fixme_script_and_no_solution(tmp_path_factory):
-    course = labtools.released_course(tmp_path_factory, "lab3_ddp")
-    released = course / "release" / "lab3_ddp"
-    assert (released / STUDENT_SCRIPT_NAME).read_bytes() == RELEASED_SCRIPT.read_bytes()
-    text = (released / NOTEBOOK.name).read_text()
+def test_the_release_ships_the_fixme_script_and_no_solution(released):
+    folder = released / "release" / "lab3_ddp"
+    assert (folder / STUDENT_SCRIPT_NAME).read_bytes() == RELEASED_SCRIPT.read_bytes()
+    text = (folder / NOTEBOOK.name).read_text()
     assert "### BEGIN SOLUTION" not in text and HIDDEN_TESTS not in text and "ddp_questions.check(" not in text
     assert "raise NotImplementedError" in text
+
+
+@pytest.mark.slow
+def test_autograde_in_the_sandbox_grades_the_students_script_not_the_released_copy(released):
+    scores = {}
+    for student, script in (("converter", SOLUTION), ("idler", RELEASED_SCRIPT)):
+        submitted = released / "submitted" / student / "lab3_ddp"
+        submitted.mkdir(parents=True)
+        # The solved notebook for both: only the script differs.
+        shutil.copy(released / "source" / "lab3_ddp" / NOTEBOOK.name, submitted / NOTEBOOK.name)
+        shutil.copy(script, submitted / STUDENT_SCRIPT_NAME)
+        nbgrader("autograde", "lab3_ddp", "--student", student, "--create", course=released, timeout=900)
+        with Gradebook(f"sqlite:///{released / 'gradebook.db'}", course_id="scalelab") as gradebook:
+            submission = gradebook.find_submission("lab3_ddp", student)
+            scores[student] = (submission.score, submission.max_score)
+    # The graded two-rank torchrun ran in the grading sandbox: the converter gets the script's 8 points, the idler
+    # keeps the exercises' 4 (the solved notebook) and loses the script's.
+    assert scores == {"converter": (12.0, 12.0), "idler": (4.0, 12.0)}
