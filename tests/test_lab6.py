@@ -26,7 +26,7 @@ from test_slurm import slurm_cluster, squeue_lines  # noqa: F401 — the module'
 
 LAB_FOLDER = LABS / "source" / "lab6"
 SOURCE_NOTEBOOK = LAB_FOLDER / "lab6_beyond_data_parallelism.ipynb"
-SCRIPTS = ("mwms_fashion_mnist.py", "horovod_fashion_mnist.py")
+SCRIPTS = ("mwms_fashion_mnist.py", "horovod_fashion_mnist.py", "ddp_fashion_mnist.py")
 SMALL_SETTINGS = dict(TRAIN_IMAGES=1024, BATCH_SIZE=64, SLURM_TRAIN_IMAGES=512, SLURM_WAIT_S=240)
 POINTS = {"ex1-tests": 2, "ex2-tests": 1, "ex3-tests": 1, "ex4-tests": 1, "ex5-tests": 2, "ex6-tests": 2}
 
@@ -189,18 +189,22 @@ def test_lab6_graded_tests_pass_the_reference_and_reject_each_wrong_solution(sol
 
 
 def test_lab6_scripts_mark_every_strategy_line_and_share_the_course_library():
-    mwms, horovod = ((LAB_FOLDER / script).read_text() for script in SCRIPTS)
+    mwms, horovod, ddp = ((LAB_FOLDER / script).read_text() for script in SCRIPTS)
     assert "tf.distribute.MultiWorkerMirroredStrategy()" in mwms and "hvd.DistributedOptimizer" in horovod
+    assert "DistributedDataParallel(model)" in ddp
     for text, marker, specific in ((mwms, "# MWMS:", ('os.environ["TF_CONFIG"]', "strategy.scope()",
                                                       "AutoShardPolicy.OFF")),
                                    (horovod, "# Horovod:", ("hvd.init()", "hvd.DistributedOptimizer",
-                                                            "BroadcastGlobalVariablesCallback"))):
+                                                            "BroadcastGlobalVariablesCallback")),
+                                   (ddp, "# DDP:", ('dist.init_process_group("gloo")', "DistributedSampler(",
+                                                    "set_epoch(", "DistributedDataParallel(model)",
+                                                    "dist.all_reduce("))):
         lines = text.splitlines()
         for fragment in specific:
             number = next(i for i, line in enumerate(lines) if fragment in line and not line.lstrip().startswith("#"))
             above = [line.strip() for line in lines[max(0, number - 3):number + 1]]
             assert any(line.startswith(marker) for line in above), f"{fragment} has no {marker} comment above it"
-        for library in ("from scalelab.data import", "from scalelab.models import small_cnn"):
+        for library in ("from scalelab.data import", "small_cnn" if marker != "# DDP:" else "SmallCNN"):
             assert library in text
 
 
@@ -237,20 +241,23 @@ def test_lab6_runs_without_errors_and_draws_its_plots(executed_lab6):
 def test_lab6_mwms_and_horovod_both_end_with_identical_weights_on_both_workers(executed_lab6):
     notebook, workdir = executed_lab6
     text, html, _, _ = outputs_of(notebook)
-    assert "MultiWorkerMirroredStrategy: the 2 workers' weights are identical: True" in text
-    assert "Horovod: the 2 workers' weights are identical: True" in text
+    for name in ("MultiWorkerMirroredStrategy", "Horovod", "DDP"):
+        assert f"{name}: the 2 workers' weights are identical: True" in text
     assert re.search(r"MultiWorkerMirroredStrategy and Horovod ended with the same weights as each other: (True|False)",
                      text)
     assert "$ horovodrun -np 2 --gloo python horovod_fashion_mnist.py" in text
+    assert "$ torchrun --standalone --nproc_per_node 2 ddp_fashion_mnist.py" in text
     assert re.search(r"TF_CONFIG='\{\"cluster\": \{\"worker\": \[\"127\.0\.0\.1:\d+\", \"127\.0\.0\.1:\d+\"\]\}", text)
     # Each strategy's own first line: 2 workers, 1024 images split between them, 8 steps of 64 x 2.
-    for name in ("MultiWorkerMirroredStrategy", "Horovod"):
+    for name in ("MultiWorkerMirroredStrategy", "Horovod", "DDP"):
         assert f"{name}: 2 workers, 512 images each, batch 64 x 2, 8 steps per epoch" in text
     table = next(fragment for fragment in html if "weights identical on both workers" in fragment)
     rows = table_rows(table)
-    assert [row[0] for row in rows] == ["MultiWorkerMirroredStrategy", "Horovod"]
+    assert [row[0] for row in rows] == ["MultiWorkerMirroredStrategy", "Horovod", "DDP"]
+    # launch to exit > training > 0; the time per step is the training time over the 8 steps (in ms, rounded).
     assert all(row[-1] == "True" and float(row[1]) > float(row[2]) > 0 for row in rows)
-    for strategy in ("multiworkermirroredstrategy", "horovod"):
+    assert all(abs(float(row[3]) - 1000 * float(row[2]) / 8) <= 0.5 + 1e-9 for row in rows)
+    for strategy in ("multiworkermirroredstrategy", "horovod", "ddp"):
         assert sorted(path.name for path in (workdir / "lab6_runs" / f"weights_{strategy}").iterdir()) == [
             "weights_rank0.json", "weights_rank0.npz", "weights_rank1.json", "weights_rank1.npz"]
 

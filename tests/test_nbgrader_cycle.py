@@ -153,7 +153,8 @@ def test_make_release_then_make_autograde_on_a_copy_of_the_course(tmp_path):
     assignments = sorted(path.name for path in (course / "source").iterdir() if path.is_dir())
     assert assignments == ["lab1", "lab6", QUIZ]
     assert {path.name for path in (course / "release" / "lab6").iterdir()} == {
-        "lab6_beyond_data_parallelism.ipynb", "mwms_fashion_mnist.py", "horovod_fashion_mnist.py"}
+        "lab6_beyond_data_parallelism.ipynb", "mwms_fashion_mnist.py", "horovod_fashion_mnist.py",
+        "ddp_fashion_mnist.py"}
     for assignment in assignments:
         released = list((course / "release" / assignment).glob("*.ipynb"))
         assert released, f"make release produced no notebook for {assignment}"

@@ -14,10 +14,16 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
+
+# A first convolution with one input channel gets a weight gradient whose stride along that channel (of size 1) is not
+# the one DDP's gradient bucket holds: the same memory order, so harmless, but DDP warned about it on every rank of
+# every run of the course's DDP scripts, where students read it as their mistake.
+warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides", category=UserWarning)
 
 
 class SmallCNN(nn.Module):
