@@ -4,7 +4,8 @@
 #   make hub     a class on one server: JupyterHub on http://127.0.0.1:8000, one JupyterLab per student (as root;
 #                HUB_IP/HUB_PORT to change; containers/hub/hub.sh says what it installs and where)
 #   make setup   Debian packages + .venv with the pinned stack + Horovod built with TensorFlow, Gloo and MPI
-#                (PYTHON=/path/to/python3.11 picks the interpreter; see containers/setup.sh)
+#                (PYTHON=/path/to/python3.11 picks the interpreter; on Python 3.12 or 3.13 the PyTorch edition
+#                alone; see containers/setup.sh)
 #   make doctor  what is installed and which data sets are available
 #   make release / make autograde   the nbgrader cycle for the labs (see README)
 #   make bench   the benchmark report
@@ -50,8 +51,9 @@ export OMPI_MCA_mpi_yield_when_idle ?= 1
 # Large allreduces under --mpi use the segmented ring (source_code/scalelab/openmpi-collective-rules.conf says why).
 export OMPI_MCA_coll_tuned_use_dynamic_rules ?= 1
 export OMPI_MCA_coll_tuned_dynamic_rules_filename ?= $(CURDIR)/source_code/scalelab/openmpi-collective-rules.conf
-# The slowest tests are listed at the end, so that what CI's time goes to is on record.
-PYTEST_ARGS ?= --durations=30
+# The slowest tests are listed at the end, so that what CI's time goes to is on record, and every skipped test with
+# its reason (the PyTorch edition skips the Keras tests).
+PYTEST_ARGS ?= --durations=30 -rs
 
 .PHONY: setup lab test hub doctor release autograde bench image-cpu clean
 

@@ -3,20 +3,28 @@
 # made by debootstrap from the Debian mirror apt's sources already name, imported into podman. Debian's Python 3.11 is
 # linked where the official image has its own (/usr/local/bin/python3) and pip may install into it, as there.
 # `make image-cpu IMAGE_BASE=NAME` then builds containers/Dockerfile.cpu on it (`podman build --from NAME`).
+# With --suite trixie: a fresh Debian 13 host instead, as debootstrap leaves it (Python 3.13, `make`, nothing of the
+# course), on which containers/debian13-check.sh runs `make setup` and `make test`.
 #
-#   containers/debian-base.sh [NAME]     (default localhost/scalelab-base:bookworm)
+#   containers/debian-base.sh [--suite bookworm|trixie] [NAME]
+#                                        (default localhost/scalelab-base:bookworm, localhost/scalelab-host:trixie)
 #
 # Needs root. Installs podman, runc and debootstrap when missing. Idempotent: an existing image NAME is kept.
 # Exit codes: 0 the image exists; 1 it could not be made (the reason is printed); 2 bad usage or not root.
 set -euo pipefail
 
-name="${1:-localhost/scalelab-base:bookworm}"
 suite=bookworm
+if [ "${1:-}" = --suite ]; then suite="${2:-}"; shift 2 || true; fi
+case "$suite" in
+    bookworm) name="${1:-localhost/scalelab-base:bookworm}" ;;
+    trixie) name="${1:-localhost/scalelab-host:trixie}" ;;
+    *) echo "usage: containers/debian-base.sh [--suite bookworm|trixie] [NAME]" >&2; exit 2 ;;
+esac
 say() { printf '==> %s\n' "$*"; }
 fail() { echo "debian-base.sh: $*" >&2; exit 1; }
 
 if [ $# -gt 1 ] || [[ "$name" == -* ]]; then
-    echo "usage: containers/debian-base.sh [NAME]" >&2
+    echo "usage: containers/debian-base.sh [--suite bookworm|trixie] [NAME]" >&2
     exit 2
 fi
 if [ "$(id -u)" != 0 ]; then
@@ -39,27 +47,31 @@ if podman image exists "$name"; then
     exit 0
 fi
 
-# The mirror apt already uses for bookworm itself (not -updates or -security), as apt reads its sources.
+# The mirror apt already uses for bookworm itself (not -updates or -security), as apt reads its sources; it carries
+# trixie too.
 # shellcheck disable=SC2016  # $(RELEASE) and $(REPO_URI) are apt's placeholders, not the shell's
 mirror="$(apt-get indextargets --format '$(RELEASE) $(REPO_URI)' 'Identifier: Packages' 2>/dev/null |
-    awk -v suite="$suite" '$1 == suite { print $2; exit }')"
-[ -n "$mirror" ] || fail "apt's sources name no Debian mirror for $suite (apt-get indextargets lists none)"
+    awk '$1 == "bookworm" { print $2; exit }')"
+[ -n "$mirror" ] || fail "apt's sources name no Debian mirror for bookworm (apt-get indextargets lists none)"
+packages=python3,python3-venv,python3-pip,ca-certificates
+if [ "$suite" = trixie ]; then packages+=,make; fi
 
 root="$(mktemp -d)"
 trap 'rm -rf "$root"' EXIT
 say "debootstrap $suite from $mirror"
-if ! debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
-        "$suite" "$root" "$mirror" > "$root.log" 2>&1; then
+if ! debootstrap --variant=minbase --include="$packages" "$suite" "$root" "$mirror" > "$root.log" 2>&1; then
     tail -n 20 "$root.log" >&2
     rm -f "$root.log"
     fail "debootstrap failed (its log ends above)"
 fi
 rm -f "$root.log"
-# Where python:3.11-slim-bookworm has its interpreter; and pip may install into it (that image has no
-# EXTERNALLY-MANAGED marker either).
-ln -sf /usr/bin/python3.11 "$root/usr/local/bin/python3"
-ln -sf /usr/bin/python3.11 "$root/usr/local/bin/python"
-rm -f "$root"/usr/lib/python3.*/EXTERNALLY-MANAGED
+if [ "$suite" = bookworm ]; then
+    # Where python:3.11-slim-bookworm has its interpreter; and pip may install into it (that image has no
+    # EXTERNALLY-MANAGED marker either).
+    ln -sf /usr/bin/python3.11 "$root/usr/local/bin/python3"
+    ln -sf /usr/bin/python3.11 "$root/usr/local/bin/python"
+    rm -f "$root"/usr/lib/python3.*/EXTERNALLY-MANAGED
+fi
 rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
 
 say "Importing it as $name"

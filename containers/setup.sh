@@ -24,17 +24,24 @@
 #   --choose-python     only choose the interpreter: print which and why, exit 0 (1 with the reason when none works)
 #   --choose-installer  only say whether the pinned packages would be installed with uv or pip, and why
 #
-# The interpreter: TensorFlow 2.15.1 has wheels for Python 3.10 and 3.11 only (pyproject.toml's requires-python).
-#   1. an existing venv whose python runs 3.10 or 3.11 is kept;
-#   2. PYTHON=/path (the environment, or `make setup PYTHON=/path`);
+# The interpreter: TensorFlow 2.15.1 has wheels for Python 3.10 and 3.11 only, so the whole course (its Keras and
+# its PyTorch edition) needs one of those; on Python 3.12 or 3.13 the PyTorch edition alone is installed (no
+# TensorFlow: the Keras labs and tracks are left out). pyproject.toml's requires-python is 3.10 to 3.13.
+#   1. an existing venv whose python runs 3.10 to 3.13 is kept;
+#   2. PYTHON=/path (the environment, or `make setup PYTHON=/path`), 3.10 to 3.13;
 #   3. python3 if it is 3.10 or 3.11, then python3.11, then python3.10 on PATH;
 #   4. a CPython 3.11 managed by uv (uv is pip-installed into ~/.cache/scalelab/bootstrap; the interpreter goes
-#      where `uv python install` puts it, ~/.local/share/uv/python unless UV_PYTHON_INSTALL_DIR says otherwise).
+#      where `uv python install` puts it, ~/.local/share/uv/python unless UV_PYTHON_INSTALL_DIR says otherwise);
+#   5. where none of those can be had: python3, python3.13 or python3.12 on PATH, for the PyTorch edition.
+#   SCALELAB_EDITION=pytorch installs the PyTorch edition alone on whichever interpreter: steps 3 and 4 take any
+#   of 3.10 to 3.13 then (python3, python3.13, python3.12, python3.11, python3.10), and uv fetches none.
 #   A venv outside the invoking user's home is taken to be one other accounts run (a hub under /opt): it is never
 #   made from an interpreter under a directory they cannot enter; Debian's /usr/bin/python3.11 is taken instead.
 #   Where nothing works, the script stops before installing anything and says what to do.
 #   (SCALELAB_SHARED_PYTHONS names those shared interpreters, SCALELAB_BOOTSTRAP_DIR where uv goes.)
 # SCALELAB_INSTALLER=pip installs with pip even where uv could (see choose_installer below).
+# SCALELAB_TORCH_BUILD=default takes PyPI's torch (with its CUDA libraries) on a CPU host too, where PyTorch's CPU
+#   build cannot be had (no index of it reachable); cpu (the default on a CPU host) insists on the CPU build.
 # SCALELAB_TORCH_INDEX is an extra package index for PyTorch alone. PyPI's torch for Linux is the CUDA build (GBs of
 #   NVIDIA libraries); on a CPU-only host set it to PyTorch's CPU wheel index, https://download.pytorch.org/whl/cpu,
 #   whose torch==X+cpu the pin takes. Unset, torch comes from pip's configured indexes like everything else.
@@ -71,7 +78,19 @@ last_line() {  # the last thing a tool said, without its "error:" or "cause:"
     printf '%s\n' "$1" | sed -e '/^[[:space:]]*$/d' -e 's/^[[:space:]]*\(error\|cause\|ERROR\): *//' | tail -n 1
 }
 
-supported_pythons="3.10 3.11"  # pyproject.toml's requires-python (tests/test_setup_python.py checks they agree)
+# pyproject.toml's requires-python (tests/test_setup_python.py checks they agree); TensorFlow 2.15.1, and so the
+# Keras edition, has wheels for the first two only.
+supported_pythons="3.10 3.11 3.12 3.13"
+keras_pythons="3.10 3.11"
+case "${SCALELAB_EDITION:-}" in
+    ""|pytorch) edition_wanted="${SCALELAB_EDITION:-}" ;;
+    *) echo "setup.sh: SCALELAB_EDITION is pytorch (the PyTorch edition alone) or unset, not '$SCALELAB_EDITION'" >&2
+       exit 2 ;;
+esac
+case "${SCALELAB_TORCH_BUILD:-}" in
+    ""|cpu|default) ;;
+    *) echo "setup.sh: SCALELAB_TORCH_BUILD is cpu or default, not '$SCALELAB_TORCH_BUILD'" >&2; exit 2 ;;
+esac
 # A tool for setting up only, not part of the course's environment: it fetches a Python 3.11 where the machine
 # has none, and installs the pinned packages much faster than pip.
 uv_pin="uv==0.13.8"
@@ -91,6 +110,9 @@ probe() {
 joined() { local IFS=';' all; all="$*"; echo "${all//;/; }"; }
 described() { if [ -n "$1" ]; then echo "Python $1"; else echo "not a Python that runs"; fi; }
 is_supported() { [ -n "$1" ] && [[ " $supported_pythons " == *" $1 "* ]]; }
+has_keras() { [ -n "$1" ] && [[ " $keras_pythons " == *" $1 "* ]]; }
+# What the search on PATH takes: TensorFlow's Pythons for the whole course, any supported one for the PyTorch edition.
+is_wanted() { if [ "$edition_wanted" = pytorch ]; then is_supported "$1"; else has_keras "$1"; fi; }
 
 # The first directory (or the file itself) on the way to PATH that other accounts cannot enter or run.
 closed_to_others() {
@@ -154,19 +176,19 @@ choose_python() {
         given="$(command -v -- "$PYTHON" 2>/dev/null)" || true
         if [ -z "$given" ] || [ ! -f "$given" ]; then
             fail "PYTHON=$PYTHON is not an interpreter (no such executable file);" \
-                "give the path of a Python 3.10 or 3.11, e.g. PYTHON=/usr/bin/python3.11."
+                "give the path of a Python 3.10 to 3.13, e.g. PYTHON=/usr/bin/python3.11."
         fi
         read -r version executable <<<"$(probe "$given")" || true
         if ! is_supported "$version"; then
-            fail "PYTHON=$PYTHON is $(described "$version");" \
-                "TensorFlow 2.15.1 has wheels for Python 3.10 and 3.11 only: give one of those."
+            fail "PYTHON=$PYTHON is $(described "$version"); the course runs on Python 3.10 to 3.13 (its Keras" \
+                "edition on 3.10 and 3.11 only, where TensorFlow 2.15.1 has wheels): give one of those."
         fi
     fi
 
     if [ "$use_venv" = 1 ] && { [ -e "$venv/bin/python" ] || [ -L "$venv/bin/python" ]; }; then
         read -r version executable <<<"$(probe "$venv/bin/python")" || true
         if ! is_supported "$version"; then
-            fail "$venv exists but its python is $(described "$version"); TensorFlow 2.15.1 needs 3.10 or 3.11:" \
+            fail "$venv exists but its python is $(described "$version"); the course runs on Python 3.10 to 3.13:" \
                 "remove it (rm -rf $venv) and run this again."
         fi
         python_base="$venv/bin/python" python_version="$version" keep_venv=1
@@ -179,14 +201,16 @@ choose_python() {
         return 0
     fi
 
-    for candidate in python3 python3.11 python3.10; do
+    local candidates=(python3 python3.11 python3.10)
+    if [ "$edition_wanted" = pytorch ]; then candidates=(python3 python3.13 python3.12 python3.11 python3.10); fi
+    for candidate in "${candidates[@]}"; do
         if ! found="$(command -v "$candidate" 2>/dev/null)"; then
             tried+=("$candidate is missing")
             continue
         fi
         read -r version executable <<<"$(probe "$found")" || true
         tried+=("$candidate is ${version:-broken}")
-        if is_supported "$version"; then
+        if is_wanted "$version"; then
             # sys.executable rather than a version manager's shim, which may pick another Python elsewhere
             if [ -n "$executable" ] && [ -x "$executable" ]; then found="$executable"; fi
             python_base="$found" python_version="$version"
@@ -196,6 +220,10 @@ choose_python() {
     done
 
     local why_none
+    if [ "$edition_wanted" = pytorch ]; then
+        fail "no Python 3.10 to 3.13 on PATH ($(joined "${tried[@]}")) for SCALELAB_EDITION=pytorch; install one" \
+            "or give one with PYTHON=/path/to/python3"
+    fi
     why_none="no Python 3.10 or 3.11 on PATH ($(joined "${tried[@]}"))"
     if [ "$use_venv" = 0 ]; then
         uv_problem="--system-python installs into an interpreter the machine has, not a fetched one"
@@ -220,9 +248,21 @@ choose_python() {
             uv_problem="uv's CPython 3.11 ($found) does not run"
         fi
     fi
-    fail "$why_none and ${uv_problem:-uv found none}; install a Python 3.11 (python3.11, python3.11-venv and" \
-        "python3.11-dev from your distribution or the deadsnakes PPA), give one with PYTHON=/path/to/python3.11," \
-        "or use the CPU image (from the repository root):"$'\n'"  $image_commands"
+    # No Python for TensorFlow can be had: the machine's own 3.12 or 3.13 takes the PyTorch edition.
+    for candidate in python3 python3.13 python3.12; do
+        found="$(command -v "$candidate" 2>/dev/null)" || continue
+        read -r version executable <<<"$(probe "$found")" || true
+        if is_supported "$version" && ! has_keras "$version"; then
+            if [ -n "$executable" ] && [ -x "$executable" ]; then found="$executable"; fi
+            python_base="$found" python_version="$version"
+            python_why="$why_none and ${uv_problem:-uv found none}: $candidate for the PyTorch edition"
+            return 0
+        fi
+    done
+    fail "$why_none and ${uv_problem:-uv found none}, nor a Python 3.12 or 3.13 for the PyTorch edition; install a" \
+        "Python 3.11 (python3.11, python3.11-venv and python3.11-dev from your distribution or the deadsnakes PPA)," \
+        "give one with PYTHON=/path/to/python3.11, or use the CPU image (from the repository root):"$'\n'"" \
+        " $image_commands"
 }
 
 # A venv outside the invoking user's home is one other accounts run (a multi-user hub under /opt, say): made from
@@ -249,7 +289,9 @@ check_shared() {
     for shared in $shared_pythons; do
         [ -x "$shared" ] || continue
         read -r version executable <<<"$(probe "$shared")" || true
-        if is_supported "$version" && [ -z "$(closed_dirs "$shared")" ]; then
+        # (never a Python without TensorFlow in place of one with it)
+        if is_supported "$version" && { has_keras "$version" || ! has_keras "$python_version"; } \
+                && [ -z "$(closed_dirs "$shared")" ]; then
             say "Note: $message: taking $shared instead"
             python_base="$shared" python_version="$version"
             python_why="$python_why, but under $closed: this one every account can run"
@@ -395,6 +437,15 @@ install_pinned() {
 choose_python
 check_shared
 say "Python $python_version: $python_base ($python_why)"
+# The edition: the whole course where TensorFlow 2.15.1 installs, else (or when asked) the PyTorch edition alone.
+edition=all
+if [ "$edition_wanted" = pytorch ] || ! has_keras "$python_version"; then
+    edition=pytorch
+    if has_keras "$python_version"; then why_pytorch="SCALELAB_EDITION=pytorch"; else
+        why_pytorch="TensorFlow 2.15.1 has no wheel for Python $python_version"; fi
+    say "Edition: PyTorch only ($why_pytorch): the PyTorch labs and assessment tracks, without the Keras labs and" \
+        "tracks, which need TensorFlow."
+fi
 if [ "$only" = python ]; then exit 0; fi
 
 if [ "$use_venv" = 1 ] && [ "$keep_venv" = 1 ]; then python="$venv/bin/python"; else python="$python_base"; fi
@@ -414,8 +465,8 @@ framework_versions() {
 # tomllib, which Python 3.10 lacks); checked before anything is installed, and again after (pip must keep them).
 check_base_framework() {
     local versions tensorflow horovod tensorflow_pinned horovod_pinned
-    tensorflow_pinned="$(grep -oE '"tensorflow(-cpu)?(\[[^]]*\])?==[0-9.]+"' "$project_root/pyproject.toml" |
-        head -n 1 | sed -E 's/.*==([0-9.]+)"/\1/')"
+    tensorflow_pinned="$(grep -oE '"tensorflow(-cpu)?(\[[^]]*\])?==[0-9.]+[";]' "$project_root/pyproject.toml" |
+        head -n 1 | sed -E 's/.*==([0-9.]+)[";]/\1/')"
     horovod_pinned="$(grep -oE '"horovod==[0-9.]+"' "$project_root/pyproject.toml" | head -n 1 |
         sed -E 's/.*==([0-9.]+)"/\1/')"
     versions="$(framework_versions "$1")"
@@ -433,6 +484,10 @@ check_base_framework() {
     say "TensorFlow $tensorflow and Horovod $horovod from the base: kept"
 }
 if [ "$framework_source" = base ]; then
+    if [ "$edition" = pytorch ]; then
+        fail "--framework-from-base keeps a base's TensorFlow and Horovod (the Keras edition), which needs Python" \
+            "3.10 or 3.11, not the PyTorch edition on Python $python_version"
+    fi
     check_base_framework "$python_base"
 fi
 
@@ -482,10 +537,11 @@ pip=("$python" -m pip --disable-pip-version-check)
 pin() {
     "$python" - "$project_root/pyproject.toml" "$1" <<'PY'
 import re, sys
-# The pins are the quoted "NAME==VERSION" strings outside comments (no tomllib: Python 3.10 lacks it).
+# The pins are the quoted "NAME==VERSION" strings outside comments, an environment marker perhaps after them (no
+# tomllib: Python 3.10 lacks it).
 name = sys.argv[2]
 code = "\n".join(line.split("#")[0] for line in open(sys.argv[1]))
-pins = re.findall(r'"(' + re.escape(name) + r'(?:\[[^\]]*\])?==[^";]+)"', code)
+pins = re.findall(r'"(' + re.escape(name) + r'(?:\[[^\]]*\])?==[^";\s]+)\s*(?:;[^"]*)?"', code)
 if not pins:
     sys.exit(f"no pin for {name} in pyproject.toml")
 print(pins[0])
@@ -498,37 +554,44 @@ fi
 choose_installer
 say "Installing with $installer ($installer_why)"
 
-# TensorFlow and PyTorch from their wheels and Horovod compiled against both, unless the base brought TensorFlow and
-# Horovod (then there is no PyTorch edition).
+# TensorFlow and PyTorch from their wheels and Horovod compiled against both (the PyTorch edition: PyTorch alone),
+# unless the base brought TensorFlow and Horovod (then there is no PyTorch edition).
 if [ "$framework_source" = build ]; then
     if [ "$flavour" = gpu ]; then
         tensorflow_pin="$(pin tensorflow)"
-        horovod_gpu=(HOROVOD_GPU_OPERATIONS=NCCL)
+        horovod_device=(HOROVOD_GPU_OPERATIONS=NCCL)
     else
         tensorflow_pin="$(pin tensorflow-cpu)"
-        horovod_gpu=()
+        # No CUDA in Horovod's PyTorch extension, even against PyTorch's CUDA build (containers/patches/ says why).
+        horovod_device=(HOROVOD_PYTORCH_WITHOUT_CUDA=1)
     fi
     installed_version() {
         "$python" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$1" 2>/dev/null || true
     }
-    tensorflow_version="${tensorflow_pin##*==}"
-    if [ "$(installed_version "${tensorflow_pin%%[[=]*}")" != "$tensorflow_version" ]; then
-        say "Installing $tensorflow_pin"
-        install_pinned "$tensorflow_pin"
+    if [ "$edition" = pytorch ]; then
+        tensorflow_pin="" horovod_frameworks=(HOROVOD_WITHOUT_TENSORFLOW=1)
+    else
+        horovod_frameworks=(HOROVOD_WITH_TENSORFLOW=1)
+        tensorflow_version="${tensorflow_pin##*==}"
+        if [ "$(installed_version "${tensorflow_pin%%[[=]*}")" != "$tensorflow_version" ]; then
+            say "Installing $tensorflow_pin"
+            install_pinned "$tensorflow_pin"
+        fi
     fi
     # The CPU flavour asks for PyTorch's CPU build by its local label (2.13.0+cpu, which also satisfies the pin
     # 2.13.0): where no index has it, this stops rather than download PyPI's CUDA build, GBs a CPU never uses.
     torch_pin="$(pin torch)"
-    if [ "$flavour" = cpu ]; then torch_pin+="+cpu"; fi
+    if [ "$flavour" = cpu ] && [ "${SCALELAB_TORCH_BUILD:-cpu}" = cpu ]; then torch_pin+="+cpu"; fi
     if [ "$(installed_version torch)" != "${torch_pin##*==}" ]; then
         torch_index=()
         if [ -n "${SCALELAB_TORCH_INDEX:-}" ]; then torch_index=(--extra-index-url "$SCALELAB_TORCH_INDEX"); fi
         for folder in ${SCALELAB_WHEELS:-}; do torch_index+=(--find-links "$folder"); done
         say "Installing $torch_pin${SCALELAB_TORCH_INDEX:+ (also from $SCALELAB_TORCH_INDEX)}"
         if ! install_pinned ${torch_index[@]+"${torch_index[@]}"} "$torch_pin"; then
-            if [ "$flavour" = cpu ]; then
+            if [[ "$torch_pin" == *+cpu ]]; then
                 fail "$torch_pin, PyTorch's CPU build, is in none of pip's indexes; give PyTorch's CPU wheel index:" \
-                    "make setup SCALELAB_TORCH_INDEX=https://download.pytorch.org/whl/cpu"
+                    "make setup SCALELAB_TORCH_INDEX=https://download.pytorch.org/whl/cpu, or take PyPI's default" \
+                    "build, CUDA libraries and all (GBs): make setup SCALELAB_TORCH_BUILD=default"
             fi
             fail "could not install $torch_pin"
         fi
@@ -543,7 +606,7 @@ if [ "$framework_source" = build ]; then
     # (the hub's under /opt next to .venv), or an image podman builds here, installs it in seconds instead of
     # compiling for minutes. A kept wheel whose TensorFlow ops do not load here (built on another system) is removed
     # and Horovod compiled.
-    compiled_against="$tensorflow_pin-$(installed_version torch)"
+    compiled_against="${tensorflow_pin:-no-tensorflow}-$(installed_version torch)"
     horovod_wheels="$(dirname "$bootstrap_dir")/horovod-wheels/$flavour-${compiled_against//[^[:alnum:].=_+-]/_}-$(
         cat "$project_root"/containers/patches/horovod-"$horovod_version"-*.patch | sha256sum | cut -c1-16)"
     python_tag="$("$python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
@@ -552,15 +615,16 @@ if [ "$framework_source" = build ]; then
         if [ -n "$horovod_wheel" ]; then
             say "Installing Horovod $horovod_build built earlier on this machine ($horovod_wheel)"
             "${pip[@]}" install -q --no-deps "$horovod_wheel"
-            if ! loading="$(TF_CPP_MIN_LOG_LEVEL=2 "$python" - 2>&1 <<'PY'
+            if ! loading="$(TF_CPP_MIN_LOG_LEVEL=2 "$python" - "$edition" 2>&1 <<'PY'
 # Horovod's TensorFlow ops and its PyTorch extension, loaded as Horovod loads them (its Python dependencies are not
 # installed yet).
-import importlib.util, pathlib, sysconfig
-import tensorflow as tf
+import importlib.util, pathlib, sys, sysconfig
 import torch
 package = pathlib.Path(importlib.util.find_spec("horovod").submodule_search_locations[0])
 suffix = sysconfig.get_config_var("EXT_SUFFIX")
-tf.load_op_library(str(package / "tensorflow" / ("mpi_lib" + suffix)))
+if sys.argv[1] != "pytorch":
+    import tensorflow as tf
+    tf.load_op_library(str(package / "tensorflow" / ("mpi_lib" + suffix)))
 extension = importlib.util.spec_from_file_location("mpi_lib_v2", package / "torch" / ("mpi_lib_v2" + suffix))
 extension.loader.exec_module(importlib.util.module_from_spec(extension))
 PY
@@ -571,7 +635,14 @@ PY
             fi
         fi
         if [ -z "$horovod_wheel" ]; then
-            say "Building Horovod $horovod_build against TensorFlow and PyTorch with Gloo and MPI (a few minutes)"
+            if [ "$edition" = pytorch ]; then against=PyTorch; else against="TensorFlow and PyTorch"; fi
+            say "Building Horovod $horovod_build against $against with Gloo and MPI (a few minutes)"
+            # GCC 13 and later no longer include <cstdint>, <string> and <stdexcept> through other headers, and
+            # Horovod's sources rely on it.
+            compiler_flags=()
+            if [ "$(g++ -dumpversion 2>/dev/null | cut -d. -f1)" -ge 13 ] 2>/dev/null; then
+                compiler_flags=(CXXFLAGS="${CXXFLAGS:-} -include cstdint -include string -include stdexcept")
+            fi
             horovod_source="$(mktemp -d)"
             trap 'rm -rf "$horovod_source"' EXIT
             "${pip[@]}" download -q --no-deps --no-binary :all: --no-build-isolation -d "$horovod_source" "$horovod_pin"
@@ -580,8 +651,9 @@ PY
                 patch --quiet --forward -p1 -d "$horovod_source/horovod-$horovod_version" < "$fix"
             done
             # --no-build-isolation: Horovod's CMake must import the TensorFlow and PyTorch installed above.
-            env HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
-                HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 MAKEFLAGS="-j$(nproc)" "${horovod_gpu[@]}" \
+            env "${horovod_frameworks[@]}" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
+                HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 MAKEFLAGS="-j$(nproc)" "${horovod_device[@]}" \
+                ${compiler_flags[@]+"${compiler_flags[@]}"} \
                 "${pip[@]}" wheel -q --no-deps --no-build-isolation -w "$horovod_source/wheel" \
                 "$horovod_source/horovod-$horovod_version"
             "${pip[@]}" install -q --no-deps "$horovod_source"/wheel/horovod-*.whl
@@ -596,10 +668,13 @@ PY
     fi
 fi
 
+# pyproject.toml's extra: the flavour's TensorFlow and PyTorch, or PyTorch alone for the PyTorch edition.
+extra="$flavour"
+if [ "$edition" = pytorch ]; then extra=torch; fi
 if [ "$dependencies_only" = 1 ]; then
     say "Installing the course's pinned dependencies (the course itself comes later)"
     requirements="$(mktemp)"
-    "$python" - "$project_root/pyproject.toml" "$framework_source" "$flavour" > "$requirements" <<'PY'
+    "$python" - "$project_root/pyproject.toml" "$framework_source" "$extra" > "$requirements" <<'PY'
 import sys
 try:
     import tomllib
@@ -622,13 +697,13 @@ else
         # version number does not change when the course's code does.
         refresh=()
         if [ "$installer" = uv ]; then refresh=(--reinstall-package scalelab); fi
-        install_pinned ${refresh[@]+"${refresh[@]}"} "${project_root}[$flavour,test]"
+        install_pinned ${refresh[@]+"${refresh[@]}"} "${project_root}[$extra,test]"
     elif [ "$framework_source" = base ]; then
         # No extra: the cpu and gpu extras would install a TensorFlow wheel over the base's.
         install_pinned -e "${project_root}"
         check_base_framework "$python" "installing the course left"
     else
-        install_pinned -e "${project_root}[$flavour,test]"
+        install_pinned -e "${project_root}[$extra,test]"
     fi
 fi
 
@@ -640,6 +715,7 @@ if [ ! -x "$horovodrun" ] && [ "$framework_source" = base ]; then horovodrun="$(
 build="$("$horovodrun" --check-build)"
 # The base's build is taken as it is beyond TensorFlow (NGC's has NCCL and its own MPI).
 required="TensorFlow PyTorch MPI Gloo"
+if [ "$edition" = pytorch ]; then required="PyTorch MPI Gloo"; fi
 if [ "$framework_source" = base ]; then required=TensorFlow; fi
 for framework in $required; do
     if ! grep -q "\[X\] $framework" <<<"$build"; then
@@ -648,4 +724,5 @@ for framework in $required; do
         exit 1
     fi
 done
-say "ScaleLab stack ready ($python)"
+if [ "$edition" = pytorch ]; then say "ScaleLab stack ready, the PyTorch edition ($python)"; else
+    say "ScaleLab stack ready ($python)"; fi

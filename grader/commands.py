@@ -239,7 +239,8 @@ def calibrate_command(args: argparse.Namespace) -> int:
 
 def _add_track_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--track", default=None,
-                        help=f"track name from the track file (default: $SCALELAB_TRACK or {spec.DEFAULT_TRACK})")
+                        help=f"track name from the track file (default: $SCALELAB_TRACK or {spec.DEFAULT_TRACK}; "
+                             f"{spec.DEFAULT_PYTORCH_TRACK} on the PyTorch edition)")
     parser.add_argument("--track-file", default=None,
                         help="track file (default: $SCALELAB_TRACKS or assessment/tracks.toml)")
 

@@ -121,7 +121,7 @@ class AssessService(LoggingConfigurable):
     jobs_dir = Unicode("", config=True, help="Where submitted files and grader output go. "
                                              "Default: $SCALELAB_HOME/assess/jobs.")
     track = Unicode("", config=True, help=f"Track students are graded on. Default: $SCALELAB_TRACK, else "
-                                          f"{spec.DEFAULT_TRACK}.")
+                                          f"{spec.DEFAULT_TRACK} ({spec.DEFAULT_PYTORCH_TRACK} on the PyTorch edition).")
     tracks_file = Unicode("", config=True, help="Track file. Default: $SCALELAB_TRACKS, else assessment/tracks.toml.")
     slots = Int(0, config=True, help="Jobs graded at once. 0: the machine's cores (or GPUs) ÷ the track's ranks.")
     backend = Enum(["local", "slurm"], default_value="local", config=True,

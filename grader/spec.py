@@ -18,6 +18,8 @@ from pathlib import Path
 COURSE_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACKS_FILE = COURSE_ROOT / "assessment" / "tracks.toml"
 DEFAULT_TRACK = "cifar10-cpu"
+# Where `make setup` installed the PyTorch edition alone (no TensorFlow: Python 3.12 or 3.13), the DDP track instead.
+DEFAULT_PYTORCH_TRACK = "cifar10-ddp-cpu"
 DATASETS = ("cifar10", "fashion-mnist")
 # A framework is what the student trains with: it decides the model file the grader measures and how.
 FRAMEWORKS = ("keras", "pytorch")
@@ -165,9 +167,17 @@ def load_tracks(path: str | os.PathLike | None = None) -> dict[str, Track]:
 
 
 def load_track(name: str | None = None, path: str | os.PathLike | None = None) -> Track:
-    """The track called ``name`` (default: $SCALELAB_TRACK, else cifar10-cpu)."""
-    name = name or os.environ.get("SCALELAB_TRACK") or DEFAULT_TRACK
+    """The track called ``name`` (default: $SCALELAB_TRACK, else cifar10-cpu, or cifar10-ddp-cpu on the PyTorch
+    edition). A Keras track where TensorFlow is not installed is refused with the reason."""
+    from scalelab.environment import KERAS_LEFT_OUT, edition
+
+    pytorch_only = edition() == "pytorch"
+    name = name or os.environ.get("SCALELAB_TRACK") or (DEFAULT_PYTORCH_TRACK if pytorch_only else DEFAULT_TRACK)
     tracks = load_tracks(path)
     if name not in tracks:
         raise SpecError(f"unknown track {name!r}; known tracks: {', '.join(sorted(tracks))}")
+    if pytorch_only and tracks[name].framework == "keras":
+        usable = sorted(other for other, track in tracks.items() if track.framework != "keras")
+        raise SpecError(f"track {name!r} grades a Keras model: {KERAS_LEFT_OUT}; the PyTorch tracks: "
+                        f"{', '.join(usable)}")
     return tracks[name]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -9,8 +10,21 @@ from pathlib import Path
 import psutil
 import pytest
 
+from scalelab.environment import KERAS_LEFT_OUT
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
+
+# The PyTorch edition (`make setup` on Python 3.12 or 3.13) has no TensorFlow: the tests of the Keras labs and tracks
+# are skipped there with the reason, which the summary counts and names (`make test` runs pytest with -rs).
+HAS_TENSORFLOW = importlib.util.find_spec("tensorflow") is not None
+keras_only = pytest.mark.skipif(not HAS_TENSORFLOW, reason=KERAS_LEFT_OUT)
+
+
+def needs_tensorflow() -> None:
+    """Skips the calling test module on the PyTorch edition; called before it imports anything that needs TensorFlow."""
+    if not HAS_TENSORFLOW:
+        pytest.skip(KERAS_LEFT_OUT, allow_module_level=True)
 
 
 @pytest.fixture(scope="session")

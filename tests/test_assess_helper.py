@@ -17,9 +17,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import PROJECT_ROOT
+from conftest import PROJECT_ROOT, keras_only
 from scalelab.grader import assess_helper
 from scalelab.grader.sandbox import SANDBOX_UID_RANGE
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 CALLER = pwd.getpwnam("nobody")
 SUBMISSIONS = PROJECT_ROOT / "tests" / "submissions"

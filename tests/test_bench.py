@@ -9,12 +9,15 @@ import sys
 import nbformat
 import pytest
 
-from conftest import PROJECT_ROOT, subprocess_env
+from conftest import PROJECT_ROOT, keras_only, subprocess_env
 
 sys.path.insert(0, str(PROJECT_ROOT / "source_code"))  # the benchmarks are a directory, not an installed package
 
 from benchmarks import bandwidth, processes, report, run, time_to_accuracy, training  # noqa: E402
 from benchmarks.summary import not_measured, run_in_turn, spread  # noqa: E402
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

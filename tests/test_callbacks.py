@@ -8,9 +8,13 @@ import zipfile
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
-from scalelab import callbacks
+from scalelab.environment import KERAS_LEFT_OUT
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+tf = pytest.importorskip("tensorflow", reason=KERAS_LEFT_OUT)
+
+from scalelab import callbacks  # noqa: E402
 
 
 @pytest.fixture()

@@ -7,9 +7,13 @@ import csv
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
-from scalelab.callbacks import HeldOutEverySteps
+from scalelab.environment import KERAS_LEFT_OUT
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+tf = pytest.importorskip("tensorflow", reason=KERAS_LEFT_OUT)
+
+from scalelab.callbacks import HeldOutEverySteps  # noqa: E402
 
 
 def tiny_problem(seed: int = 0):

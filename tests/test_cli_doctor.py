@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from conftest import VENV_BIN, subprocess_env
+from conftest import VENV_BIN, keras_only, subprocess_env
 from scalelab.environment import OPENMPI_COLLECTIVE_RULES, openmpi_settings
 
 
@@ -13,6 +13,7 @@ def _doctor(**env):
                           env=subprocess_env(**{**openmpi_settings({}), **env}))
 
 
+@keras_only
 def test_doctor_reports_the_pinned_stack_and_horovod_build(cifar10_dir, tmp_path):
     result = _doctor(SCALELAB_CIFAR10_DIR=str(cifar10_dir), KERAS_HOME=str(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -54,6 +55,30 @@ def test_doctor_names_a_horovod_built_without_pytorch_where_torch_is_installed(m
     torch_version = environment.package_version("torch")
     assert f"problem: torch {torch_version} is installed but Horovod was built without PyTorch: pip uninstall " \
            "horovod, then `make setup`." in err.splitlines()
+
+
+def test_doctor_on_the_pytorch_edition_says_what_it_leaves_out_and_asks_for_no_tensorflow(monkeypatch, capsys):
+    from scalelab import cli, environment
+
+    # What a Python 3.13 host has after `make setup`: PyTorch, and Horovod built for it alone.
+    monkeypatch.setattr(environment, "tensorflow_version", lambda: None)
+    monkeypatch.setattr(environment, "horovod_build", lambda: {"TensorFlow": False, "PyTorch": True, "MPI": True,
+                                                                "Gloo": True, "NCCL": False})
+    cli.doctor(None)
+    out, err = capsys.readouterr()
+    assert environment.edition() == "pytorch"
+    assert f"edition         PyTorch only: {environment.KERAS_LEFT_OUT}" in out.splitlines()
+    assert "tensorflow      not installed" in out.splitlines()
+    assert not any("TensorFlow" in line for line in err.splitlines()), err
+
+
+def test_doctor_without_either_framework_says_to_run_make_setup(monkeypatch, capsys):
+    from scalelab import cli, environment
+
+    monkeypatch.setattr(environment, "tensorflow_version", lambda: None)
+    monkeypatch.setattr(environment, "package_version", lambda name: None)
+    assert cli.doctor(None) == cli.EXIT_PROBLEMS
+    assert "problem: Neither TensorFlow nor PyTorch is installed: run `make setup`." in capsys.readouterr().err
 
 
 def test_unknown_command_is_a_usage_error():

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import leftover_processes, subprocess_env
+from conftest import keras_only, leftover_processes, subprocess_env
 from scalelab.grader import launch, sandbox, spec, store
 
 SUBMISSIONS = Path(__file__).parent / "submissions"
 TEST_TRACKS = SUBMISSIONS / "tracks.toml"
 
-pytestmark = pytest.mark.slow
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = [pytest.mark.slow, keras_only]
 
 
 def assess(tmp_path, submission: Path, track="fashion-mnist-test", timeout=600):

@@ -13,7 +13,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import leftover_processes, subprocess_env
+from conftest import keras_only, leftover_processes, subprocess_env
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 SCALELAB = [sys.executable, "-m", "scalelab.cli"]
 SUBMISSIONS = Path(__file__).parent / "submissions"

@@ -13,9 +13,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import needs_tensorflow
 from scalelab.grader import commands, contention, launch, pipeline, spec, verify, witness
 from scalelab.grader.verdict import new_verdict
 
+# The Keras edition's (its track trains with Keras): skipped, with the reason, on the PyTorch edition.
+needs_tensorflow()
 TRACK = spec.load_track("fashion-mnist-test", Path(__file__).parent / "submissions" / "tracks.toml")
 SPIN = "while True: pass"
 MEASURED_S = 1.5

@@ -6,9 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import needs_tensorflow
 from scalelab.grader import curve, launch, pipeline, verify, witness
 from scalelab.grader.verdict import new_verdict
-from test_grader_contention import TRACK, run_result
+
+# The Keras edition's (its track trains with Keras): skipped, with the reason, on the PyTorch edition.
+needs_tensorflow()
+from test_grader_contention import TRACK, run_result  # noqa: E402
 
 TOGETHER = witness.TimelineEvidence(ranks_seen=[0, 1], allreduce_count=400, allreduced_tensors=4, active_deciles=10,
                                     span_s=30.0, events=2000)

@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import keras_only, subprocess_env
 from scalelab.grader import grading, report
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 SUBMISSIONS = Path(__file__).parent / "submissions"
 TEST_TRACKS = SUBMISSIONS / "tracks.toml"

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import keras_only, subprocess_env
 from scalelab.grader import spec
 
 ASSESSMENT = spec.COURSE_ROOT / "assessment"
-pytestmark = pytest.mark.slow
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = [pytest.mark.slow, keras_only]
 
 
 def assess(tmp_path: Path, submission: Path) -> tuple[int, dict]:

@@ -6,8 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import keras_only
 from scalelab.grader import launch
 from scalelab.grader import sandbox as sandbox_module
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import keras_only, subprocess_env
 from scalelab.grader import grading, spec
 
 TEST_TRACKS = Path(__file__).parent / "submissions" / "tracks.toml"
@@ -37,6 +37,7 @@ def test_cpu_tracks_are_calibrated_by_their_recorded_figures():
         assert calibration["baseline_verdict"] in ("fail", "timeout"), name
 
 
+@keras_only
 def test_default_track_is_cifar10_cpu_unless_scalelab_track_says_otherwise(monkeypatch):
     monkeypatch.delenv("SCALELAB_TRACK", raising=False)
     assert spec.load_track().name == "cifar10-cpu"
@@ -44,11 +45,25 @@ def test_default_track_is_cifar10_cpu_unless_scalelab_track_says_otherwise(monke
     assert spec.load_track().name == "fashion-mnist-cpu"
 
 
+def test_the_pytorch_edition_grades_the_ddp_track_by_default_and_refuses_a_keras_track_with_the_reason(monkeypatch):
+    from scalelab import environment
+
+    monkeypatch.delenv("SCALELAB_TRACK", raising=False)
+    monkeypatch.setattr(environment, "tensorflow_version", lambda: None)  # `make setup` on Python 3.13
+    assert spec.load_track().name == "cifar10-ddp-cpu"
+    assert spec.load_track("cifar10-horovod-torch-cpu").framework == "pytorch"
+    with pytest.raises(spec.SpecError) as refused:
+        spec.load_track("cifar10-cpu")
+    assert str(refused.value).startswith(f"track 'cifar10-cpu' grades a Keras model: {environment.KERAS_LEFT_OUT}; "
+                                         "the PyTorch tracks: cifar10-ddp-cpu, cifar10-horovod-torch-cpu")
+
+
 def test_unknown_track_error_lists_the_known_ones():
     with pytest.raises(spec.SpecError, match=r"unknown track 'nope'; known tracks: .*cifar10-cpu"):
         spec.load_track("nope")
 
 
+@keras_only
 def test_all_gpus_track_on_a_machine_without_gpus_says_so():
     with pytest.raises(spec.SpecError, match="no GPU"):
         spec.load_track("cifar10").resolve_ranks(0)
@@ -158,6 +173,7 @@ def test_recording_sets_the_budget_and_target_and_the_figures_and_keeps_the_rest
     assert after["fashion-mnist-cpu"] == before["fashion-mnist-cpu"] and after["cifar10"] == before["cifar10"]
 
 
+@keras_only
 def test_doctor_warns_when_a_track_was_calibrated_on_another_kind_of_machine(tmp_path):
     track_file = tmp_path / "tracks.toml"
     shutil.copyfile(spec.DEFAULT_TRACKS_FILE, track_file)
@@ -176,6 +192,7 @@ def test_doctor_warns_when_a_track_was_calibrated_on_another_kind_of_machine(tmp
     assert not any("track cifar10 " in w for w in warnings)  # uncalibrated: nothing to compare
 
 
+@keras_only
 def test_the_track_file_is_read_without_tomllib_as_on_python_3_10():
     # Python 3.10 (Ubuntu 22.04's) has no tomllib: the grader falls back to the tomli package (pinned for < 3.11).
     # Here tomllib is made unimportable and tomli stands in for it, as it would there.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import leftover_processes, subprocess_env
+from conftest import leftover_processes, needs_tensorflow, subprocess_env
 from scalelab.grader import spec, witness
 
 sys.path.insert(0, str(Path(__file__).parent / "submissions" / "service"))
@@ -19,6 +19,8 @@ from jupyter_process import JupyterServer  # noqa: E402
 
 SUBMISSIONS = Path(__file__).parent / "submissions"
 TEST_TRACKS = SUBMISSIONS / "tracks.toml"
+# The Keras edition's (its track trains with Keras): skipped, with the reason, on the PyTorch edition.
+needs_tensorflow()
 TRACK = spec.load_track("fashion-mnist-test", TEST_TRACKS)
 # A verdict for a run that ends in seconds must come long before the budget: the grader waited on nothing.
 PROMPT_VERDICT_S = 180

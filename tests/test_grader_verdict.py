@@ -5,9 +5,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import needs_tensorflow
 from scalelab.grader import grading, pipeline, spec
 from scalelab.grader.verdict import Verdict, new_verdict
 
+# The Keras edition's (its track trains with Keras): skipped, with the reason, on the PyTorch edition.
+needs_tensorflow()
 FIELDS = {field.name for field in dataclasses.fields(Verdict)}
 TRACK = spec.load_track("fashion-mnist-test", Path(__file__).parent / "submissions" / "tracks.toml")
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import keras_only
 from scalelab.grader import verify
 
 
@@ -31,6 +32,7 @@ def test_model_file_refusals(tmp_path):
     assert "unpacks to" in verify.model_file_problem(bomb)
 
 
+@keras_only
 def test_a_config_naming_any_module_outside_keras_is_refused_before_loading(tmp_path):
     import json
 
@@ -53,6 +55,7 @@ def test_a_config_naming_any_module_outside_keras_is_refused_before_loading(tmp_
         assert f"names the Python module(s) {module}" in verify.model_file_problem(forged), where
 
 
+@keras_only
 def test_heldout_measurement_refuses_lambda_layers_and_wrong_outputs(tmp_path):
     import tensorflow as tf
 
@@ -74,6 +77,7 @@ def thread_policies(pid: int) -> set[int]:
     return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
+@keras_only
 @pytest.mark.skipif(not verify.may_raise_priority(), reason="needs CAP_SYS_NICE (the grader runs as root here)")
 def test_heldout_process_started_ahead_waits_at_idle_priority_and_measures_at_normal(tmp_path):
     import tensorflow as tf
@@ -124,6 +128,7 @@ def test_heldout_process_started_ahead_is_stopped_when_there_is_no_model(tmp_pat
     assert waiting.returncode is not None and heldout.process is None
 
 
+@keras_only
 def test_the_runs_final_model_reaches_the_measuring_uid_whatever_the_graders_umask(tmp_path):
     # The Hub's service runs with umask 077, and root's helper under sudo with it: the grader's copy of the run's
     # final model must still be readable by the measuring process, a sandbox uid of its own.

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import PROJECT_ROOT, subprocess_env
+from conftest import PROJECT_ROOT, keras_only, subprocess_env
 
 PATCHES = sorted((PROJECT_ROOT / "containers" / "patches").glob("horovod-*.patch"))
 IDLE_S = 3.0
@@ -47,6 +47,7 @@ def test_the_installed_horovod_is_the_patched_build_setup_expects():
 
 
 @pytest.mark.slow
+@keras_only  # its probe is a Horovod-for-TensorFlow program
 def test_recording_a_timeline_does_not_keep_a_core_busy(horovodrun, tmp_path):
     timeline = tmp_path / "timeline.json"
     result = subprocess.run([horovodrun, "-np", "1", "--gloo", "--timeline-filename", str(timeline),

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import PROJECT_ROOT, subprocess_env
+from conftest import PROJECT_ROOT, keras_only, subprocess_env
 
 SOURCE = PROJECT_ROOT / "source_code"
 CONVERTED_SCRIPT = SOURCE / "fashion_mnist_horovod.py"
@@ -22,7 +22,8 @@ SERIAL_SCRIPT = SOURCE / "fashion_mnist.py"
 STEP3_SCRIPT = SOURCE / "horovod_steps" / "step3_rank0_output.py"
 CHANCE_ACCURACY = 0.1
 
-pytestmark = pytest.mark.slow
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = [pytest.mark.slow, keras_only]
 
 
 def run(command: list[str], timeout_s: int = 300) -> subprocess.CompletedProcess:

@@ -23,9 +23,11 @@ import psutil
 import pytest
 
 from hubtools import FAST_SUBMISSION, HUB_VENV, TEST_TRACK, processes_of, running_hub
+from conftest import keras_only
 from test_serve_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, run_panel_cell
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700), keras_only]
 
 FIGURES = ARTIFACTS / "hub-figures.json"
 VIEWPORT = {"width": 1300, "height": 1400}

@@ -26,12 +26,13 @@ import psutil
 import pytest
 import requests
 
-from conftest import PROJECT_ROOT
+from conftest import PROJECT_ROOT, keras_only
 from hubtools import SUBMISSIONS, free_port, running_hub
 from scalelab.grader.classroom import server_limits
 from test_serve_browser import CHROMIUM, CHROMIUM_ARGS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), keras_only]
 
 DOMAIN = "class.localhost"
 SERVICE_HOST = f"scalelab--service.{DOMAIN}"

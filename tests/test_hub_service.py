@@ -27,11 +27,13 @@ import requests
 
 from hubtools import FAST_SUBMISSION, SLEEPING_SUBMISSION, SUBMISSIONS, free_port, run, running_hub
 
+from conftest import keras_only
 from scalelab.grader import assess_helper, launch, panel, sandbox
 from scalelab.grader.pipeline import SUBMISSION_SIZE_LIMIT_BYTES
 from scalelab.grader.serve import JOB_FIELDS_FOR_STUDENTS, VERDICT_FIELDS_FOR_STUDENTS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), keras_only]
 
 # What a student sees of a job: the single-user service's public view, field for field.
 JOB_VIEW_FIELDS = {*JOB_FIELDS_FOR_STUDENTS, "time_budget_s", "position", "progress", "progress_history", "verdict"}

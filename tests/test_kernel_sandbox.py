@@ -127,7 +127,8 @@ def test_a_cell_that_forks_in_a_loop_is_stopped_and_leaves_nothing(folder):
     except DeadKernelError:
         pass
     else:
-        assert said[0].startswith("KeyboardInterrupt") and said[1] == "next", said
+        # (Python 3.12 and later warn first that forking a multi-threaded process may deadlock.)
+        assert any(line.startswith("KeyboardInterrupt") for line in said[0].splitlines()) and said[1] == "next", said
     assert not sandbox_uid_processes()
 
 

@@ -9,8 +9,12 @@ import re
 import nbformat
 import pytest
 
+from conftest import keras_only
 import labtools
 from labtools import LABS, code_cell_containing, execute, outputs_of, validate
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 SOURCE_NOTEBOOK = LABS / "source" / "lab2" / "lab2_batch_size.ipynb"
 SMALL_SETTINGS = dict(TRAIN_IMAGES=2048, VAL_IMAGES=512, SWEEP_BATCH_SIZES=[32, 128], SWEEP_IMAGES=1024,

@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 import labtools
-from conftest import PROJECT_ROOT
+from conftest import PROJECT_ROOT, keras_only
 from labtools import LABS, execute, outputs_of, validate
 from scalelab.grader.labchecks import conversion_hints, conversion_questions
 
@@ -28,7 +28,8 @@ GRADED_CELLS, POINTS = 16, 20
 PRACTICE_STEPS_PER_EPOCH, KILLED_AFTER = 512 // (64 * 2), 4 // 2
 PRACTICE_SCRIPTS = ("resume_demo.py", "elastic_demo.py")
 
-pytestmark = pytest.mark.slow
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = [pytest.mark.slow, keras_only]
 
 
 def solved_lab_folder(parent):

@@ -12,8 +12,11 @@ from typing import NamedTuple
 
 import pytest
 
-from conftest import PROJECT_ROOT
+from conftest import PROJECT_ROOT, keras_only
 from scalelab.grader.labchecks import conversion_questions, conversion_run
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 SOLUTION = PROJECT_ROOT / "source_code" / "fashion_mnist_horovod.py"
 # A hang is stopped sooner here than in the notebook (45 s): the ranks report something new every few seconds.

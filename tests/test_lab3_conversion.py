@@ -18,10 +18,13 @@ import pytest
 from nbgrader.api import Gradebook
 
 import labtools
-from conftest import PROJECT_ROOT
+from conftest import PROJECT_ROOT, keras_only
 from labtools import LABS, cell_by_grade_id, nbgrader
 from scalelab.grader.labchecks import conversion_hints, conversion_questions
 from test_lab3_behaviour import WRONG as WRONG_BEHAVIOURS, converted
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 NOTEBOOK = LABS / "source" / "lab3" / "lab3_horovod.ipynb"
 STUDENT_SCRIPT_NAME = "fashion_mnist_student.py"

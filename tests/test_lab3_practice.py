@@ -10,8 +10,12 @@ import re
 
 import nbformat
 
+from conftest import keras_only
 from labtools import LABS, cell_by_grade_id, grade_exercise
 from test_lab_exercises import EXERCISES, NOTEBOOKS, context_of
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 EXERCISE = ("lab3", "ex6-resume-plan", "ex6-tests")
 RESUME_SCRIPT = LABS / "source" / "lab3" / "resume_demo.py"

@@ -17,9 +17,13 @@ import pytest
 from nbclient.exceptions import CellExecutionError
 from nbformat.v4 import new_code_cell
 
+from conftest import keras_only
 import labtools
 from labtools import LABS, code_cell_containing, execute, outputs_of, run_quiz, validate
 from scalelab import comm
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 LAB_FOLDER = LABS / "source" / "lab4"
 SOURCE_NOTEBOOK = LAB_FOLDER / "lab4_communication.ipynb"

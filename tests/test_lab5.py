@@ -13,6 +13,7 @@ import nbformat
 import pytest
 from nbclient.exceptions import CellExecutionError
 
+from conftest import keras_only
 import labtools
 from labtools import LABS, code_cell_containing, execute, outputs_of, run_quiz, validate
 
@@ -32,7 +33,8 @@ SMALL_SETTINGS = dict(DATA_IMAGES=256, NOISE_BATCH_SIZES=[16, 128], NOISE_REPEAT
                       LOCAL_SGD_IMAGES=2048, LOCAL_SGD_STEPS=64, LOCAL_SGD_SEEDS=2)
 QUIZ_ANSWERS = {"answer_ghost_batch_norm": '"b"', "answer_generalisation_gap": '{"a", "b", "e"}'}
 
-pytestmark = pytest.mark.slow
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = [pytest.mark.slow, keras_only]
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,15 @@ import pytest
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_notebook
 
+from conftest import keras_only
 import labtools
 from labtools import (LABS, Wrong, assert_rejected, code_cell_containing, execute, outputs_of, python_source,
                       validate)
 from scalelab import headless
 from test_slurm import slurm_cluster, squeue_lines  # noqa: F401 — the module's fixture: a running one-node Slurm
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 LAB_FOLDER = LABS / "source" / "lab6"
 SOURCE_NOTEBOOK = LAB_FOLDER / "lab6_beyond_data_parallelism.ipynb"

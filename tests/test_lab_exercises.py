@@ -15,7 +15,11 @@ import re
 import nbformat
 import pytest
 
+from conftest import keras_only
 from labtools import LABS, Wrong, assert_rejected, code_cell_containing, grade_exercise, python_source
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 NOTEBOOKS = {"lab1": LABS / "source" / "lab1" / "lab1_gradient_descent.ipynb",
              "lab2": LABS / "source" / "lab2" / "lab2_batch_size.ipynb",

@@ -26,6 +26,13 @@ LAB3_SOLUTION = ("source_code/fashion_mnist_horovod.py", "source_code/horovod_st
 COURSE_TOOLING = {"benchmarks"}
 
 
+@pytest.fixture(autouse=True)
+def whole_course_view(monkeypatch):
+    """The view's workings are tested on the whole course whichever edition runs the tests: the PyTorch edition's
+    view (the Keras labs left out) has a test of its own."""
+    monkeypatch.setattr(lab_setup, "edition", lambda: "all")
+
+
 def course_copy(root: Path) -> Path:
     """The parts of the checkout the view is made from, without anything generated (tests never write into the
     repository's labs/); the instructor's material included, so that leaving it out is what is tested."""
@@ -68,6 +75,27 @@ def assert_no_solution_reachable(view: Path, course: Path) -> None:
             assert not real.is_relative_to(solution.resolve()), f"the view reaches {solution} at {real}"
         if real.is_file():
             assert real.read_bytes() not in solution_texts, f"{real} is a copy of a worked solution"
+
+
+def test_the_pytorch_editions_view_leaves_out_the_keras_labs_and_says_so(tmp_path, monkeypatch, capsys):
+    course, view = course_copy(tmp_path / "course"), tmp_path / "view"
+    monkeypatch.setattr(lab_setup, "edition", lambda: "pytorch")  # `make setup` on Python 3.13: no TensorFlow
+    monkeypatch.setattr(lab_setup, "COURSE_ROOT", course)
+    monkeypatch.setattr(lab_setup, "install_kernel", lambda: "scalelab (not installed by this test)")
+    monkeypatch.setattr(lab_setup, "install_jupyterlab_settings", lambda: "(not written by this test)")
+    assert cli.main(["lab-setup", "--student-view", str(view)]) == 0
+    assert sorted(path.name for path in (view / "labs").iterdir()) == sorted(
+        set(ASSIGNMENTS) - set(lab_setup.KERAS_LABS)) == ["lab3_ddp", "quiz"]
+    assert (view / "labs" / "lab3_ddp" / "fashion_mnist_ddp_student.py").is_file()
+    assert f"student view    left out: {', '.join(lab_setup.KERAS_LABS)} ({environment.KERAS_LEFT_OUT})" \
+        in capsys.readouterr().out.splitlines()
+
+
+def test_the_keras_labs_are_those_whose_material_uses_tensorflow():
+    tensorflow = re.compile(r"\b(import tensorflow|horovod\.tensorflow|scalelab\.(models|callbacks) import)")
+    uses = {lab.name for lab in (PROJECT_ROOT / "labs" / "source").iterdir() if lab.is_dir()
+            and any(tensorflow.search(path.read_text()) for path in lab.iterdir() if path.suffix in (".py", ".ipynb"))}
+    assert uses == set(lab_setup.KERAS_LABS)
 
 
 def test_student_view_holds_the_released_labs_and_the_assessment_and_no_solution(tmp_path):

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
-from scalelab import models
+from scalelab.environment import KERAS_LEFT_OUT
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+tf = pytest.importorskip("tensorflow", reason=KERAS_LEFT_OUT)
+
+from scalelab import models  # noqa: E402
 
 
 def _count(model, layer_type):

@@ -17,7 +17,10 @@ import pytest
 
 from scalelab import environment
 from scalelab.grader import launch, sandbox
-from conftest import VENV_BIN, subprocess_env
+from conftest import VENV_BIN, keras_only, subprocess_env
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RULES = environment.OPENMPI_COLLECTIVE_RULES

@@ -13,11 +13,15 @@ import textwrap
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
-from conftest import subprocess_env
-from scalelab.lr import WarmupStepSchedule
-from scalelab.optimizers import LAMB, LARS, NovoGrad, trust_ratio
+from scalelab.environment import KERAS_LEFT_OUT
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+tf = pytest.importorskip("tensorflow", reason=KERAS_LEFT_OUT)
+
+from conftest import subprocess_env  # noqa: E402
+from scalelab.lr import WarmupStepSchedule  # noqa: E402
+from scalelab.optimizers import LAMB, LARS, NovoGrad, trust_ratio  # noqa: E402
 
 # A 2x2 kernel and a bias vector, with two steps of fixed gradients.
 KERNEL_START = np.array([[0.5, -1.0], [1.5, 2.0]])

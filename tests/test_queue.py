@@ -19,11 +19,15 @@ import pytest
 
 from sqlalchemy import update
 
+from conftest import keras_only
 from scalelab.grader import panel
 from scalelab.grader.contention import CONTENDED_SHARE
 from scalelab.grader.queue import (DONE, INTERRUPTED, QUEUED, RERUN_MACHINE_BUSY, RUNNING, AssessJob, AssessQueue,
                                    QueueFull, TooSoon, sqlite_url)
 from scalelab.grader.workers import GraderSettings, GradingWorkers, JobRetention
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 FAST_SUBMISSION = Path(__file__).parent / "submissions" / "service" / "syntax_error_fast.py"
 TEST_TRACKS = Path(__file__).parent / "submissions" / "tracks.toml"

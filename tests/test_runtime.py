@@ -4,9 +4,13 @@ for the GPUs, and for the calls that would configure them)."""
 from __future__ import annotations
 
 import pytest
-import tensorflow as tf
 
-from scalelab.runtime import pin_gpu
+from scalelab.environment import KERAS_LEFT_OUT
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+tf = pytest.importorskip("tensorflow", reason=KERAS_LEFT_OUT)
+
+from scalelab.runtime import pin_gpu  # noqa: E402
 
 
 @pytest.fixture

@@ -12,7 +12,10 @@ import sys
 
 import pytest
 
-from conftest import PROJECT_ROOT, subprocess_env
+from conftest import PROJECT_ROOT, keras_only, subprocess_env
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 SOURCE = PROJECT_ROOT / "source_code"
 SERIAL_SCRIPT = SOURCE / "fashion_mnist.py"

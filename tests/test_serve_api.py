@@ -19,10 +19,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "submissions" / "service"))
+from conftest import keras_only  # noqa: E402
 from jupyter_process import TEST_TRACKS, JupyterServer  # noqa: E402
 
 from scalelab.grader import panel  # noqa: E402
 from scalelab.grader.queue import AssessQueue, sqlite_url  # noqa: E402
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 FAST_SUBMISSION = Path(__file__).parent / "submissions" / "service" / "syntax_error_fast.py"
 TOKENS = {"alice-token": "alice", "bob-token": "bob"}

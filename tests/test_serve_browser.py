@@ -22,7 +22,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "submissions" / "service"))
+from conftest import keras_only  # noqa: E402
 from jupyter_process import PROJECT_ROOT, TEST_TRACKS, JupyterServer  # noqa: E402
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 ARTIFACTS = PROJECT_ROOT / "tests" / "artifacts"
 FAST_SUBMISSION = Path(__file__).parent / "submissions" / "service" / "syntax_error_fast.py"

@@ -10,7 +10,10 @@ import time
 
 import requests
 
-from conftest import PROJECT_ROOT, subprocess_env
+from conftest import PROJECT_ROOT, keras_only, subprocess_env
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 TOKEN = "assess-make-lab-token"
 

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "submissions" / "service"))
+from conftest import keras_only  # noqa: E402
 from jupyter_process import TEST_TRACKS, JupyterServer  # noqa: E402
 
 from scalelab.grader.queue import AssessQueue, sqlite_url  # noqa: E402
@@ -25,7 +26,8 @@ SERVICE_TESTS = Path(__file__).parent / "submissions" / "service"
 QUEUED_STUDENTS = ["queued1", "queued2", "queued3"]
 TOKENS = {f"{name}-token": name for name in ["sleeper", *QUEUED_STUDENTS]}
 
-pytestmark = pytest.mark.slow
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = [pytest.mark.slow, keras_only]
 
 
 def _course(root: Path) -> None:

@@ -15,8 +15,12 @@ import pytest
 from jupyter_server.auth.identity import IdentityProvider, PasswordIdentityProvider, User
 from traitlets.config import Config
 
+from conftest import keras_only
 from scalelab.grader import store
 from scalelab.grader.serve import VERDICT_FIELDS_FOR_STUDENTS, AssessService, SubmissionProblem
+
+# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+pytestmark = keras_only
 
 FAST_SUBMISSION = Path(__file__).parent / "submissions" / "service" / "syntax_error_fast.py"
 TEST_TRACKS = Path(__file__).parent / "submissions" / "tracks.toml"

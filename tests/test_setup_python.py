@@ -1,5 +1,5 @@
-"""containers/setup.sh chooses its interpreter (TensorFlow 2.15.1 has wheels for Python 3.10 and 3.11 only) and its
-installer before it installs anything. These tests run the script against shim interpreters on a PATH of their own:
+"""containers/setup.sh chooses its interpreter (TensorFlow 2.15.1 has wheels for Python 3.10 and 3.11 only; 3.12 and
+3.13 get the PyTorch edition alone) and its installer before it installs anything. These tests run the script against shim interpreters on a PATH of their own:
 no network, nothing installed, a second or so each."""
 
 from __future__ import annotations
@@ -32,15 +32,20 @@ def version_of(python: str) -> str:
     return result.stdout.strip()
 
 
-def a_real_python() -> str:
+def a_real_python() -> str | None:
     """A real Python 3.10/3.11 (Debian's where there is one, else the one running these tests)."""
     for candidate in ("/usr/bin/python3.11", "/usr/bin/python3.10", os.path.realpath(sys._base_executable)):
         if os.path.exists(candidate) and version_of(candidate) in ("3.10", "3.11"):
             return candidate
-    pytest.fail("no Python 3.10 or 3.11 to stand for python3.11")
+    return None
 
 
 REAL_PYTHON = a_real_python()
+if REAL_PYTHON is None:
+    # A host of the PyTorch edition (Python 3.12 or 3.13 alone): the choices are tested where a real 3.11 can stand
+    # behind the shims, as on CI's machine.
+    pytest.skip("these tests need a real Python 3.10 or 3.11 to stand for python3.11, and this host has none",
+                allow_module_level=True)
 
 
 def others_can_run(path: str) -> bool:
@@ -210,13 +215,60 @@ def test_a_missing_PYTHON_stops_with_a_clear_error_before_installing(machine, on
 
 
 @pytest.mark.parametrize("only", [["--choose-python"], []], ids=["choose-python", "install"])
-def test_a_PYTHON_that_is_3_12_stops_with_a_clear_error_before_installing(machine, only):
-    python312 = fake_python(machine.root / "elsewhere" / "python3.12", "3.12")
+def test_a_PYTHON_that_is_3_9_stops_with_a_clear_error_before_installing(machine, only):
+    python39 = fake_python(machine.root / "elsewhere" / "python3.9", "3.9")
     machine.real_python("python3")  # would do, but PYTHON= says otherwise
-    result = machine.setup(*only, PYTHON=str(python312))
+    result = machine.setup(*only, PYTHON=str(python39))
     machine.assert_nothing_installed(result)
-    assert f"PYTHON={python312} is Python 3.12; TensorFlow 2.15.1 has wheels for Python 3.10 and 3.11 only" \
-        in result.stderr
+    assert f"PYTHON={python39} is Python 3.9; the course runs on Python 3.10 to 3.13 (its Keras edition on 3.10 and " \
+           "3.11 only, where TensorFlow 2.15.1 has wheels)" in result.stderr
+
+
+PYTORCH_EDITION = ("the PyTorch labs and assessment tracks, without the Keras labs and tracks, which need TensorFlow.")
+
+
+def test_a_PYTHON_that_is_3_13_takes_the_pytorch_edition_and_says_in_one_sentence_what_it_leaves_out(machine):
+    python313 = fake_python(machine.root / "elsewhere" / "python3.13", "3.13")
+    machine.real_python("python3")
+    result = machine.setup("--choose-python", PYTHON=str(python313))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = plain(result.stdout)
+    assert f"Python 3.13: {python313} (given by PYTHON=)" in out
+    assert "==> Edition: PyTorch only (TensorFlow 2.15.1 has no wheel for Python 3.13): " + PYTORCH_EDITION in out
+
+
+def test_a_python_that_tensorflow_runs_on_gets_the_whole_course_and_no_edition_line(machine):
+    machine.real_python("python3")
+    result = machine.setup("--choose-python")
+    assert result.returncode == 0 and "Edition" not in result.stdout, result.stdout + result.stderr
+
+
+def test_SCALELAB_EDITION_pytorch_takes_the_pytorch_edition_on_the_machines_python3_and_fetches_nothing(machine):
+    machine.python("python3", "3.12")
+    machine.real_python("python3.11")
+    machine.uv(fetches=True)
+    result = machine.setup("--choose-python", SCALELAB_EDITION="pytorch")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = plain(result.stdout)
+    assert f"Python 3.12: {machine.shims / 'python3'} (python3 is 3.12)" in out
+    assert "Edition: PyTorch only (TensorFlow 2.15.1 has no wheel for Python 3.12)" in out
+    assert not machine.uv_log.exists(), "setup.sh asked uv for a Python 3.11"
+
+
+def test_SCALELAB_EDITION_pytorch_on_python_3_11_says_it_was_asked_for(machine):
+    machine.real_python("python3")
+    result = machine.setup("--choose-python", SCALELAB_EDITION="pytorch")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Edition: PyTorch only (SCALELAB_EDITION=pytorch): " + PYTORCH_EDITION in plain(result.stdout)
+
+
+@pytest.mark.parametrize("setting", [{"SCALELAB_EDITION": "keras"}, {"SCALELAB_TORCH_BUILD": "cuda"}])
+def test_an_unknown_edition_or_torch_build_stops_at_once(machine, setting):
+    machine.real_python("python3")
+    result = machine.setup("--choose-python", **setting)
+    [(name, value)] = setting.items()
+    assert result.returncode == 2 and f"{name} is " in result.stderr and f"not '{value}'" in result.stderr
+    assert "Python 3.11" not in result.stdout
 
 
 def test_an_existing_3_11_venv_is_kept_without_looking_for_an_interpreter(machine):
@@ -231,14 +283,26 @@ def test_an_existing_3_11_venv_is_kept_without_looking_for_an_interpreter(machin
     assert not machine.uv_log.exists(), "setup.sh asked uv for one"
 
 
-def test_an_existing_venv_of_python_3_12_is_refused_with_how_to_start_over(machine):
+def test_an_existing_venv_of_python_3_9_is_refused_with_how_to_start_over(machine):
     (machine.venv / "bin").mkdir(parents=True)
-    fake_python(machine.venv / "bin" / "python", "3.12")
+    fake_python(machine.venv / "bin" / "python", "3.9")
     machine.real_python("python3")
     result = machine.setup()
     assert result.returncode == 1 and not machine.apt_log.exists()
-    assert f"{machine.venv} exists but its python is Python 3.12" in result.stderr
+    assert f"{machine.venv} exists but its python is Python 3.9; the course runs on Python 3.10 to 3.13" \
+        in result.stderr
     assert f"rm -rf {machine.venv}" in result.stderr
+
+
+def test_an_existing_venv_of_python_3_12_is_kept_for_the_pytorch_edition(machine):
+    (machine.venv / "bin").mkdir(parents=True)
+    fake_python(machine.venv / "bin" / "python", "3.12")
+    machine.real_python("python3")
+    result = machine.setup("--choose-python")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = plain(result.stdout)
+    assert f"Python 3.12: {machine.venv}/bin/python (the virtual environment {machine.venv} exists: kept)" in out
+    assert "Edition: PyTorch only (TensorFlow 2.15.1 has no wheel for Python 3.12)" in out
 
 
 # --- a CPython 3.11 from uv, or the sentence with the ways out -----------------------------------------------------
@@ -255,16 +319,30 @@ def test_without_python_3_10_or_3_11_a_cpython_managed_by_uv_is_taken(machine):
     assert "python install --no-bin 3.11" in machine.uv_log.read_text()
 
 
+def test_when_uv_cannot_fetch_a_3_11_the_machines_own_3_13_takes_the_pytorch_edition(machine):
+    python3 = machine.python("python3", "3.13")
+    machine.uv(fetches=False)
+    result = machine.setup("--choose-python")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = plain(result.stdout)
+    assert f"Python 3.13: {python3} (no Python 3.10 or 3.11 on PATH (python3 is 3.13; python3.11 is missing; " \
+           "python3.10 is missing) and uv could not fetch a CPython 3.11 (failed to lookup address information: Name " \
+           "or service not known): python3 for the PyTorch edition)" in out
+    assert "Edition: PyTorch only (TensorFlow 2.15.1 has no wheel for Python 3.13): " + PYTORCH_EDITION in out
+    assert "python install --no-bin 3.11" in machine.uv_log.read_text(), "a Python 3.11 is tried first"
+
+
 def test_when_uv_cannot_fetch_one_setup_stops_before_installing_and_names_the_ways_out(machine):
-    machine.python("python3", "3.12")
+    machine.python("python3", "3.9")
     machine.uv(fetches=False)
     result = machine.setup()
     machine.assert_nothing_installed(result)
     assert "python install --no-bin 3.11" in machine.uv_log.read_text()
     first = result.stderr.splitlines()[0]
-    assert first.startswith("setup.sh: no Python 3.10 or 3.11 on PATH (python3 is 3.12; python3.11 is missing; "
+    assert first.startswith("setup.sh: no Python 3.10 or 3.11 on PATH (python3 is 3.9; python3.11 is missing; "
                             "python3.10 is missing) and uv could not fetch a CPython 3.11 (failed to lookup address "
-                            "information: Name or service not known); ")
+                            "information: Name or service not known), nor a Python 3.12 or 3.13 for the PyTorch "
+                            "edition; ")
     for way_out in ("install a Python 3.11", "give one with PYTHON=/path/to/python3.11", "or use the CPU image"):
         assert way_out in first
     lines = [line.strip() for line in result.stderr.splitlines()]
@@ -275,7 +353,7 @@ def test_when_uv_cannot_fetch_one_setup_stops_before_installing_and_names_the_wa
 
 
 def test_when_uv_cannot_even_be_installed_setup_stops_before_installing(machine):
-    machine.python("python3", "3.12")  # cannot make a venv: no python3-venv
+    machine.python("python3", "3.9")  # cannot make a venv: no python3-venv
     result = machine.setup()
     machine.assert_nothing_installed(result)
     assert not (machine.bootstrap / "bin" / "uv").exists()
@@ -284,13 +362,18 @@ def test_when_uv_cannot_even_be_installed_setup_stops_before_installing(machine)
     assert "give one with PYTHON=/path/to/python3.11" in result.stderr
 
 
-def test_system_python_install_never_fetches_an_interpreter(machine):
-    machine.python("python3", "3.13")
+@pytest.mark.parametrize("version", ["3.9", "3.13"])
+def test_system_python_install_never_fetches_an_interpreter(machine, version):
+    machine.python("python3", version)
     machine.uv(fetches=True)
     result = machine.setup("--system-python", "--choose-python")
-    assert result.returncode == 1
-    assert "--system-python installs into an interpreter the machine has" in result.stderr
     assert not machine.uv_log.exists()
+    if version == "3.9":
+        assert result.returncode == 1
+        assert "--system-python installs into an interpreter the machine has" in result.stderr
+    else:  # the image's own Python 3.13 takes the PyTorch edition
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "Edition: PyTorch only (TensorFlow 2.15.1 has no wheel for Python 3.13)" in plain(result.stdout)
 
 
 def test_supported_versions_are_pyprojects_requires_python():
@@ -298,6 +381,14 @@ def test_supported_versions_are_pyprojects_requires_python():
     low, high = re.fullmatch(r">=3\.(\d+),<3\.(\d+)", requires).groups()
     supported = re.search(r'^supported_pythons="([^"]*)"', SETUP_TEXT, re.MULTILINE).group(1).split()
     assert supported == [f"3.{minor}" for minor in range(int(low), int(high))]
+    # The Keras edition's Pythons are those below the marker that keeps TensorFlow out of the extras.
+    keras = re.search(r'^keras_pythons="([^"]*)"', SETUP_TEXT, re.MULTILINE).group(1).split()
+    extras = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra in ("cpu", "gpu"):
+        [tensorflow] = [pin for pin in extras[extra] if pin.startswith("tensorflow")]
+        below = int(re.search(r"python_version < '3\.(\d+)'", tensorflow).group(1))
+        assert keras == [f"3.{minor}" for minor in range(int(low), below)], tensorflow
+    assert not any(pin.startswith("tensorflow") for pin in extras["torch"]), "the PyTorch edition's extra"
 
 
 # --- a venv other accounts run -------------------------------------------------------------------------------------
@@ -490,6 +581,13 @@ def test_framework_from_base_stops_before_installing_unless_the_base_has_the_pin
                "pins TensorFlow 2.15.1 (any 2.15.x) and Horovod 0.28.1" in result.stderr
     else:
         assert "cannot import TensorFlow and Horovod (ModuleNotFoundError: No module named 'horovod')" in result.stderr
+
+
+def test_framework_from_base_is_refused_for_the_pytorch_edition(machine):
+    base_python(machine, "2.15.0 0.28.1")
+    result = machine.setup("--system-python", "--framework-from-base", SCALELAB_EDITION="pytorch")
+    assert result.returncode == 1 and not machine.apt_log.exists(), result.stdout + result.stderr
+    assert "--framework-from-base keeps a base's TensorFlow and Horovod (the Keras edition)" in result.stderr
 
 
 def test_framework_from_base_keeps_ngcs_releases_and_installs_only_what_the_course_runs_with(machine):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import subprocess_env
+from conftest import keras_only, subprocess_env
 from scalelab import torch_models
 
 # A fresh interpreter that knows nothing of scalelab: it loads the program and scores the images it is given.
@@ -36,6 +36,7 @@ def pixels(count: int, shape=(32, 32, 3), seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=(count, *shape), dtype=np.uint8)
 
 
+@keras_only
 def test_the_pytorch_networks_have_the_keras_networks_parameters_and_output_ten_scores():
     from scalelab import models
 

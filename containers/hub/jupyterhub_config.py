@@ -216,7 +216,8 @@ assess_service = register_assess_service(
     public_url=(f"http://127.0.0.1:{service_port}/" if origin.per_user
                 else f"http://{'127.0.0.1' if hub_ip in ('', '0.0.0.0', '::') else hub_ip}:{hub_port}/"),
     state_dir=os.environ.get("SCALELAB_SERVICE_STATE", "/var/lib/scalelab"),
-    settings={"track": os.environ.get("SCALELAB_TRACK", "cifar10-cpu"),
+    # The track: SCALELAB_TRACK, else the grader's default (cifar10-cpu; cifar10-ddp-cpu on the PyTorch edition).
+    settings={**({"track": os.environ["SCALELAB_TRACK"]} if os.environ.get("SCALELAB_TRACK") else {}),
               "tracks_file": os.environ.get("SCALELAB_TRACKS", str(course / "tracks.toml"))},
     environment={name: os.environ[name] for name in ("SCALELAB_CIFAR10_DIR", "SCALELAB_FASHION_MNIST_DIR")
                  if os.environ.get(name)},

@@ -39,10 +39,13 @@ def doctor(args: argparse.Namespace) -> int:
     facts = environment.describe()
     print(f"scalelab        {__version__}")
     print(f"python          {facts['python']}")
-    print(f"tensorflow      {facts['tensorflow'] or 'missing'}")
-    if facts["tensorflow"] is None:
-        problems.append("TensorFlow is not installed: run `make setup`.")
-    elif facts["tensorflow"] != "2.15.1":
+    edition = environment.edition()
+    if edition == "pytorch":
+        print(f"edition         PyTorch only: {environment.KERAS_LEFT_OUT}")
+    print(f"tensorflow      {facts['tensorflow'] or ('not installed' if edition == 'pytorch' else 'missing')}")
+    if edition is None:
+        problems.append("Neither TensorFlow nor PyTorch is installed: run `make setup`.")
+    elif facts["tensorflow"] is not None and facts["tensorflow"] != "2.15.1":
         problems.append(f"TensorFlow is {facts['tensorflow']}; the course needs 2.15.1 "
                         "(Horovod 0.28.1 does not allreduce with Keras 3): run `make setup`.")
     # The PyTorch edition is optional: an image whose base brings TensorFlow and Horovod alone (the GPU image) has none.
@@ -54,8 +57,9 @@ def doctor(args: argparse.Namespace) -> int:
     else:
         flags = "  ".join(f"{name} {'yes' if built else 'no'}" for name, built in build.items())
         print(f"horovod build   {flags}")
+        needed = ("Gloo", "MPI") if edition == "pytorch" else ("TensorFlow", "Gloo", "MPI")
         problems += [f"Horovod was built without {name}: pip uninstall horovod, then `make setup`."
-                     for name in ("TensorFlow", "Gloo", "MPI") if not build[name]]
+                     for name in needed if not build[name]]
         if facts["torch"] and not build["PyTorch"]:
             problems.append(f"torch {facts['torch']} is installed but Horovod was built without PyTorch: "
                             "pip uninstall horovod, then `make setup`.")
@@ -106,6 +110,10 @@ def lab_setup(args: argparse.Namespace) -> int:
             return EXIT_PROBLEMS
         print(f"student view    {args.student_view}: {len(report['copied'])} files copied, "
               f"{len(report['kept'])} already there kept as they are")
+        if report["left_out"]:
+            from .environment import KERAS_LEFT_OUT
+
+            print(f"student view    left out: {', '.join(report['left_out'])} ({KERAS_LEFT_OUT})")
         if report["replaced"]:
             print(f"student view    {args.student_view}: source_code/ was a link to the course's whole folder, "
                   "worked solutions included; now a folder without them")

@@ -35,6 +35,19 @@ def tensorflow_version() -> str | None:
     return None
 
 
+# The one sentence for what the PyTorch edition leaves out: said by `scalelab doctor` and by every test it skips.
+KERAS_LEFT_OUT = ("the Keras labs and tracks need TensorFlow 2.15.1, which has wheels for Python 3.10 and 3.11 only "
+                  "and is not installed here (the PyTorch edition)")
+
+
+def edition() -> str | None:
+    """What `make setup` installed: "all" (TensorFlow, hence the Keras labs and tracks, and PyTorch), "keras" (a base
+    image's TensorFlow and Horovod alone), "pytorch" (the PyTorch edition: no TensorFlow) or None (neither)."""
+    if tensorflow_version():
+        return "all" if package_version("torch") else "keras"
+    return "pytorch" if package_version("torch") else None
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

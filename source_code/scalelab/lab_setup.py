@@ -12,6 +12,7 @@
   student's work and is never overwritten. The track file is a link to the course's own; ``source_code/`` is a
   folder of links to the course library and the scripts the labs run, never to a lab's worked solution until
   ``release_solutions`` adds it, on purpose, after the lab (``scalelab lab-setup --release-solutions LAB``).
+  On the PyTorch edition (no TensorFlow: ``make setup`` on Python 3.12 or 3.13) the Keras labs are left out.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from .environment import COURSE_SCRIPTS, openmpi_settings
+from .environment import COURSE_SCRIPTS, edition, openmpi_settings
 
 KERNEL_NAME = "scalelab"
 KERNEL_DISPLAY_NAME = "Python 3 (ScaleLab)"
@@ -45,6 +46,9 @@ STUDENT_SOURCE = ("scalelab", *COURSE_SCRIPTS)
 # Each lab's worked solution, out of the view until released after the lab.
 SOLUTIONS = {"lab3": ("source_code/fashion_mnist_horovod.py", "source_code/horovod_steps"),
              "lab3_ddp": ("source_code/fashion_mnist_ddp.py",)}
+# The labs that train with TensorFlow (Keras, Horovod for Keras, MultiWorkerMirroredStrategy): not in the view of the
+# PyTorch edition, where they cannot run.
+KERAS_LABS = ("lab1", "lab2", "lab3", "lab4", "lab5", "lab6")
 # Linked: the course's own, always current (the grader reads its own track file, never the view's).
 LINKS = ("assessment/tracks.toml", *(f"source_code/{name}" for name in STUDENT_SOURCE))
 IGNORED = {"__pycache__"}
@@ -157,20 +161,24 @@ def link_into_view(view: Path, course: Path, relative: str) -> bool:
 
 def build_student_view(view: Path, course: Path = COURSE_ROOT) -> dict[str, list[str]]:
     """Fill ``view`` with the student's view of ``course``; returns the files copied, kept and linked, and
-    ``replaced``: ``source_code`` when a link to the course's whole folder gave way to the view's own."""
+    ``replaced``: ``source_code`` when a link to the course's whole folder gave way to the view's own, and
+    ``left_out``: the Keras labs on the PyTorch edition."""
     view, course = Path(view).resolve(), Path(course).resolve()
     labs = course / "labs"
     copies = {}
+    left_out = KERAS_LABS if edition() == "pytorch" else ()
     with locked(labs):
         if release_is_stale(labs):
             release_labs(labs)
         release = labs / "release"
         for relative in course_files(release):
-            copies[Path("labs") / relative] = release / relative
+            if relative.parts[0] not in left_out:
+                copies[Path("labs") / relative] = release / relative
         for name in ASSESSMENT_FILES:
             copies[Path("assessment") / name] = course / "assessment" / name
         copies[Path("START.md")] = course / "student" / "START.md"
-        report = {"copied": [], "kept": [], "linked": [], "replaced": []}
+        report = {"copied": [], "kept": [], "linked": [], "replaced": [],
+                  "left_out": sorted({relative.parts[0] for relative in course_files(release)} & set(left_out))}
         for relative, source in copies.items():
             target = view / relative
             if target == source:

@@ -71,7 +71,8 @@ entry = register(
     port=int(os.environ.get("SCALELAB_SERVICE_PORT", hub_port + 82)),
     public_url=public_url,
     state_dir=os.environ.get("SCALELAB_SERVICE_STATE", "/var/lib/scalelab"),
-    settings={"track": os.environ.get("SCALELAB_TRACK", "cifar10-cpu"),
+    # The track: SCALELAB_TRACK, else the grader's default (cifar10-cpu; cifar10-ddp-cpu on the PyTorch edition).
+    settings={**({"track": os.environ["SCALELAB_TRACK"]} if os.environ.get("SCALELAB_TRACK") else {}),
               "tracks_file": os.environ.get("SCALELAB_TRACKS", f"{course}/tracks.toml"),
               "backend": "slurm", "jobs_dir": JOBS_DIR, "slots": GRADER_SLOTS},
     environment=environment,
