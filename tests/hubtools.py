@@ -26,7 +26,7 @@ import psutil
 import pytest
 import requests
 
-from conftest import PROJECT_ROOT
+from conftest import HAS_TENSORFLOW, PROJECT_ROOT
 
 from scalelab.grader.classroom import server_limits
 
@@ -34,7 +34,8 @@ HUB_VENV = Path("/opt/scalelab/venv")  # the Makefile's default
 SCALELAB = str(HUB_VENV / "bin" / "scalelab")
 SUBMISSIONS = PROJECT_ROOT / "tests" / "submissions"
 TEST_TRACKS = SUBMISSIONS / "tracks.toml"
-TEST_TRACK = "fashion-mnist-test"
+# The Keras test track, or the DDP one on the PyTorch edition (no TensorFlow), which refuses a Keras track.
+TEST_TRACK = "fashion-mnist-test" if HAS_TENSORFLOW else "fashion-mnist-ddp-test"
 # A syntax error fails in seconds without a launch; the other keeps a job running for a minute, then fails.
 FAST_SUBMISSION = SUBMISSIONS / "service" / "syntax_error_fast.py"
 SLEEPING_SUBMISSION = SUBMISSIONS / "service" / "sleeps_then_fails.py"

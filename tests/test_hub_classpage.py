@@ -14,7 +14,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from hubtools import FAST_SUBMISSION, running_hub
+from hubtools import FAST_SUBMISSION, TEST_TRACK, running_hub
 
 from scalelab.grader.service.classpage import CSV_COLUMNS
 
@@ -159,7 +159,7 @@ def test_the_csv_download_has_one_row_per_student_with_the_right_columns(hub):
     answer = hub.service("GET", "class.csv", instructor_token(hub))
     assert answer.status_code == 200, answer.text
     assert answer.headers["Content-Type"].startswith("text/csv")
-    assert re.fullmatch(r'attachment; filename="scalelab-class-fashion-mnist-test\.csv"',
+    assert re.fullmatch(rf'attachment; filename="scalelab-class-{re.escape(TEST_TRACK)}\.csv"',
                         answer.headers["Content-Disposition"])
     reader = csv.DictReader(io.StringIO(answer.content.decode("utf-8"), newline=""))
     assert tuple(reader.fieldnames) == CSV_COLUMNS
