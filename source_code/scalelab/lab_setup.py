@@ -171,14 +171,15 @@ def build_student_view(view: Path, course: Path = COURSE_ROOT) -> dict[str, list
         if release_is_stale(labs):
             release_labs(labs)
         release = labs / "release"
-        for relative in course_files(release):
+        released = course_files(release)
+        for relative in released:
             if relative.parts[0] not in left_out:
                 copies[Path("labs") / relative] = release / relative
         for name in ASSESSMENT_FILES:
             copies[Path("assessment") / name] = course / "assessment" / name
         copies[Path("START.md")] = course / "student" / "START.md"
         report = {"copied": [], "kept": [], "linked": [], "replaced": [],
-                  "left_out": sorted({relative.parts[0] for relative in course_files(release)} & set(left_out))}
+                  "left_out": sorted({relative.parts[0] for relative in released} & set(left_out))}
         for relative, source in copies.items():
             target = view / relative
             if target == source:
