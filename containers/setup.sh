@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Installs the ScaleLab stack: Debian packages, a virtual environment with the pinned Python packages,
 # Horovod compiled against TensorFlow and PyTorch with Gloo and MPI, and a check of Horovod's build.
-# Used by `make setup`, by CI and by both container images: the one install path of the project.
+# Used by `make setup`, by CI and by every container image: the one install path of the project.
 #
-#   containers/setup.sh [--venv DIR] [--gpu] [--hub] [--system-python] [--framework-from-base] [--skip-apt]
-#                       [--dependencies-only] [--choose-python] [--choose-installer]
+#   containers/setup.sh [--venv DIR] [--gpu] [--hub] [--system-python] [--framework-from-base] [--torch-from-base]
+#                       [--skip-apt] [--dependencies-only] [--choose-python] [--choose-installer]
 #
 #   --venv DIR          where the virtual environment goes (default: .venv in the project root)
 #   --hub               the environment of a class server (`make hub`): the course installed as a copy rather than in
@@ -17,6 +17,9 @@
 #                       build, with NCCL); stop unless they are the pinned releases (TensorFlow's minor release,
 #                       Horovod exactly), install only what the course runs with from Debian/Ubuntu, and the course
 #                       with the rest of the pins, no extra
+#   --torch-from-base   the PyTorch edition on the PyTorch the interpreter already has (the PyTorch GPU image:
+#                       NVIDIA's NGC build, with CUDA and NCCL); stop unless it is the pinned minor release (and a
+#                       CUDA build with --gpu); Horovod is built against it, with NCCL under --gpu; no extra
 #   --skip-apt          do not check or install Debian packages
 #   --dependencies-only  everything but the course itself: Debian packages, TensorFlow, Horovod and the pins of
 #                       pyproject.toml (needs pyproject.toml only: an image installs these in a layer of their own,
@@ -64,6 +67,7 @@ while [ $# -gt 0 ]; do
         --hub) hub=1; shift ;;
         --system-python) use_venv=0; shift ;;
         --framework-from-base) framework_source=base; shift ;;
+        --torch-from-base) framework_source="torch-base"; shift ;;
         --skip-apt) do_apt=0; shift ;;
         --dependencies-only) dependencies_only=1; shift ;;
         --choose-python) only=python; shift ;;
@@ -87,6 +91,8 @@ case "${SCALELAB_EDITION:-}" in
     *) echo "setup.sh: SCALELAB_EDITION is pytorch (the PyTorch edition alone) or unset, not '$SCALELAB_EDITION'" >&2
        exit 2 ;;
 esac
+# A base that brings PyTorch brings no TensorFlow for it (NVIDIA's PyTorch image): the PyTorch edition.
+if [ "$framework_source" = torch-base ]; then edition_wanted=pytorch; fi
 case "${SCALELAB_TORCH_BUILD:-}" in
     ""|cpu|default) ;;
     *) echo "setup.sh: SCALELAB_TORCH_BUILD is cpu or default, not '$SCALELAB_TORCH_BUILD'" >&2; exit 2 ;;
@@ -441,7 +447,8 @@ say "Python $python_version: $python_base ($python_why)"
 edition=all
 if [ "$edition_wanted" = pytorch ] || ! has_keras "$python_version"; then
     edition=pytorch
-    if has_keras "$python_version"; then why_pytorch="SCALELAB_EDITION=pytorch"; else
+    if [ "$framework_source" = torch-base ]; then why_pytorch="--torch-from-base: the base's PyTorch, no TensorFlow"
+    elif has_keras "$python_version"; then why_pytorch="SCALELAB_EDITION=pytorch"; else
         why_pytorch="TensorFlow 2.15.1 has no wheel for Python $python_version"; fi
     say "Edition: PyTorch only ($why_pytorch): the PyTorch labs and assessment tracks, without the Keras labs and" \
         "tracks, which need TensorFlow."
@@ -490,6 +497,31 @@ if [ "$framework_source" = base ]; then
     fi
     check_base_framework "$python_base"
 fi
+# --torch-from-base: the base's PyTorch must be the minor release pyproject.toml pins (NVIDIA's builds are pre-releases
+# of it, 2.13.0a0+...: any 2.13), a CUDA build for --gpu; checked before anything is installed and again after.
+check_base_torch() {
+    local found torch cuda torch_pinned
+    torch_pinned="$(grep -oE '"torch==[0-9.]+"' "$project_root/pyproject.toml" | head -n 1 |
+        sed -E 's/.*==([0-9.]+)"/\1/')"
+    found="$({ "$1" -c 'import torch; print(torch.__version__, torch.version.cuda or "none")' 2>&1 || true; } |
+        tail -n 1)"
+    read -r torch cuda <<<"$found" || true
+    if [[ ! "$torch" =~ ^[0-9]+\.[0-9]+ ]]; then
+        fail "--torch-from-base: $1 cannot import PyTorch ($found); use a base that ships it (NVIDIA's NGC PyTorch" \
+            "image), or leave the option out to install it"
+    fi
+    if [ "$(cut -d. -f1-2 <<<"$torch")" != "$(cut -d. -f1-2 <<<"$torch_pinned")" ]; then
+        fail "--torch-from-base: ${2:-the base ships} PyTorch $torch; the course pins PyTorch $torch_pinned (any" \
+            "$(cut -d. -f1-2 <<<"$torch_pinned").x, a pre-release of it included; pyproject.toml): take a base" \
+            "release that carries it"
+    fi
+    if [ "$flavour" = gpu ] && [ "$cuda" = none ]; then
+        fail "--torch-from-base --gpu: ${2:-the base ships} PyTorch $torch, a CPU build (no CUDA); the GPU image" \
+            "needs NVIDIA's CUDA build"
+    fi
+    say "PyTorch $torch (CUDA $cuda) from the base: kept"
+}
+if [ "$framework_source" = torch-base ]; then check_base_torch "$python_base"; fi
 
 # Debian packages: the MPI Horovod links against, its build tools (and `patch` for containers/patches/),
 # offline Fashion-MNIST, the grader's sandbox, Chromium for the browser tests, and Slurm + munge (the Slurm
@@ -499,8 +531,13 @@ apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make patch dataset-fashion-mn
 # what it needs, offline Fashion-MNIST. (util-linux, for setpriv, is essential in Debian and Ubuntu.)
 runtime_packages=(bubblewrap util-linux procps dataset-fashion-mnist)
 if [ "$framework_source" = base ]; then apt_packages=("${runtime_packages[@]}"); fi
+# With the base's PyTorch, that and what Horovod is built with; the base's MPI where it has one (NGC's HPC-X).
+if [ "$framework_source" = torch-base ]; then
+    apt_packages=("${runtime_packages[@]}" cmake g++ make patch)
+    if ! command -v mpicc >/dev/null 2>&1; then apt_packages+=(openmpi-bin libopenmpi-dev); fi
+fi
 # Debian's and Ubuntu's own Python keep `venv` and the headers Horovod compiles against in packages of their own.
-if [ "$framework_source" = build ] && [[ "$(readlink -f "$python_base")" =~ ^/usr/bin/python(3\.[0-9]+)$ ]]; then
+if [ "$framework_source" != base ] && [[ "$(readlink -f "$python_base")" =~ ^/usr/bin/python(3\.[0-9]+)$ ]]; then
     apt_packages+=("python${BASH_REMATCH[1]}-dev")
     if [ "$use_venv" = 1 ]; then apt_packages+=("python${BASH_REMATCH[1]}-venv"); fi
 fi
@@ -555,11 +592,22 @@ choose_installer
 say "Installing with $installer ($installer_why)"
 
 # TensorFlow and PyTorch from their wheels and Horovod compiled against both (the PyTorch edition: PyTorch alone),
-# unless the base brought TensorFlow and Horovod (then there is no PyTorch edition).
-if [ "$framework_source" = build ]; then
+# unless the base brought TensorFlow and Horovod (then there is no PyTorch edition), or PyTorch (then Horovod is
+# compiled against the base's).
+if [ "$framework_source" != base ]; then
     if [ "$flavour" = gpu ]; then
         tensorflow_pin="$(pin tensorflow)"
         horovod_device=(HOROVOD_GPU_OPERATIONS=NCCL)
+        # PyPI's CUDA torch brings NCCL as a Python package (nvidia-nccl); NGC's images have it in /usr.
+        nccl_home="$("$python" -c 'import nvidia.nccl, os; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)"
+        if [ -z "${HOROVOD_NCCL_HOME:-}${HOROVOD_NCCL_INCLUDE:-}" ] && [ -d "$nccl_home/include" ]; then
+            horovod_device+=(HOROVOD_NCCL_INCLUDE="$nccl_home/include" HOROVOD_NCCL_LIB="$nccl_home/lib")
+        fi
+        # CUDA 13 compiles for Turing (7.5) and newer only, and Horovod's default list starts earlier.
+        nvcc_major="$(nvcc --version 2>/dev/null | sed -nE 's/.*release ([0-9]+)\..*/\1/p' | head -n 1)"
+        if [ -z "${HOROVOD_BUILD_CUDA_CC_LIST:-}" ] && [ "${nvcc_major:-0}" -ge 13 ]; then
+            horovod_device+=("HOROVOD_BUILD_CUDA_CC_LIST=75,80,86,89,90")
+        fi
     else
         tensorflow_pin="$(pin tensorflow-cpu)"
         # No CUDA in Horovod's PyTorch extension, even against PyTorch's CUDA build (containers/patches/ says why).
@@ -582,7 +630,7 @@ if [ "$framework_source" = build ]; then
     # 2.13.0): where no index has it, this stops rather than download PyPI's CUDA build, GBs a CPU never uses.
     torch_pin="$(pin torch)"
     if [ "$flavour" = cpu ] && [ "${SCALELAB_TORCH_BUILD:-cpu}" = cpu ]; then torch_pin+="+cpu"; fi
-    if [ "$(installed_version torch)" != "${torch_pin##*==}" ]; then
+    if [ "$framework_source" = build ] && [ "$(installed_version torch)" != "${torch_pin##*==}" ]; then
         torch_index=()
         if [ -n "${SCALELAB_TORCH_INDEX:-}" ]; then torch_index=(--extra-index-url "$SCALELAB_TORCH_INDEX"); fi
         for folder in ${SCALELAB_WHEELS:-}; do torch_index+=(--find-links "$folder"); done
@@ -651,7 +699,9 @@ PY
                 patch --quiet --forward -p1 -d "$horovod_source/horovod-$horovod_version" < "$fix"
             done
             # --no-build-isolation: Horovod's CMake must import the TensorFlow and PyTorch installed above.
+            # CMake 4 refuses Gloo's old cmake_minimum_required unless told which policies to assume.
             env "${horovod_frameworks[@]}" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
+                CMAKE_POLICY_VERSION_MINIMUM=3.5 \
                 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 MAKEFLAGS="-j$(nproc)" "${horovod_device[@]}" \
                 ${compiler_flags[@]+"${compiler_flags[@]}"} \
                 "${pip[@]}" wheel -q --no-deps --no-build-isolation -w "$horovod_source/wheel" \
@@ -690,6 +740,7 @@ PY
     install_pinned -r "$requirements"
     rm -f "$requirements"
     if [ "$framework_source" = base ]; then check_base_framework "$python" "installing the dependencies left"; fi
+    if [ "$framework_source" = torch-base ]; then check_base_torch "$python" "installing the dependencies left"; fi
 else
     say "Installing the course and its pinned dependencies"
     if [ "$hub" = 1 ]; then
@@ -702,6 +753,10 @@ else
         # No extra: the cpu and gpu extras would install a TensorFlow wheel over the base's.
         install_pinned -e "${project_root}"
         check_base_framework "$python" "installing the course left"
+    elif [ "$framework_source" = torch-base ]; then
+        # No extra: the torch extra would install PyPI's PyTorch over the base's.
+        install_pinned -e "${project_root}"
+        check_base_torch "$python" "installing the course left"
     else
         install_pinned -e "${project_root}[$extra,test]"
     fi
@@ -717,6 +772,7 @@ build="$("$horovodrun" --check-build)"
 required="TensorFlow PyTorch MPI Gloo"
 if [ "$edition" = pytorch ]; then required="PyTorch MPI Gloo"; fi
 if [ "$framework_source" = base ]; then required=TensorFlow; fi
+if [ "$framework_source" = torch-base ] && [ "$flavour" = gpu ]; then required+=" NCCL"; fi
 for framework in $required; do
     if ! grep -q "\[X\] $framework" <<<"$build"; then
         echo "$build" >&2

@@ -258,12 +258,18 @@ def prepare_job(submission: Path, job_dir: Path, *, dataset: str, track_name: st
     for passed_through in ("CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "NVIDIA_VISIBLE_DEVICES"):
         if passed_through in os.environ:
             env[passed_through] = os.environ[passed_through]
-    devices = sorted(Path("/dev").glob("nvidia*"))
+    devices = gpu_device_paths()
     return JobSpec(job_dir=job_dir, command=launch_command(np, launcher, launcher_options),
                    env=env, np=np, time_budget_s=time_budget_s, grace_s=grace_s, logs_dir=logs_dir,
                    output_dir=output_dir, sandbox=sandbox, sandbox_uid=sandbox_uid,
                    hidden_paths=[Path(p) for p in hidden_paths], device_paths=devices, snapshots_dir=snapshots_dir,
                    memory_limit_bytes=memory_limit_bytes, model_file=model_file)
+
+
+def gpu_device_paths(dev: Path = Path("/dev")) -> list[Path]:
+    """The NVIDIA device nodes a run needs to reach the machine's GPUs from inside the sandbox (/dev/nvidia0..N,
+    nvidiactl, nvidia-uvm, nvidia-caps/); none on a machine without an NVIDIA driver."""
+    return sorted(dev.glob("nvidia*"))
 
 
 def sandbox_argv(job: JobSpec, private_dir: Path, binds=()) -> list[str]:

@@ -64,7 +64,7 @@ def adapt_to_node(job: launch.JobSpec, environ=os.environ) -> launch.JobSpec:
     for name in ALLOCATION_VARIABLES:
         if name in environ:
             env[name] = environ[name]
-    return dataclasses.replace(job, env=env, device_paths=sorted(Path("/dev").glob("nvidia*")),
+    return dataclasses.replace(job, env=env, device_paths=launch.gpu_device_paths(),
                                grace_s=job.grace_s + BACKSTOP_AFTER_GRADER_S)
 
 

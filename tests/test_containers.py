@@ -1,4 +1,4 @@
-"""The container recipes (containers/Dockerfile.gpu, Dockerfile.cpu, scalelab.def) read as files: no Docker engine
+"""The container recipes (containers/Dockerfile.gpu, Dockerfile.gpu-pytorch, Dockerfile.cpu, scalelab.def) read as files: no Docker engine
 runs here, so these tests check what can go wrong without building: versions that disagree with pyproject.toml,
 paths that are not in the repository, a second install path, a root user, the wrong port."""
 
@@ -19,7 +19,8 @@ import pytest
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONTAINERS = PROJECT_ROOT / "containers"
-DOCKERFILES = {"gpu": CONTAINERS / "Dockerfile.gpu", "cpu": CONTAINERS / "Dockerfile.cpu"}
+DOCKERFILES = {"gpu": CONTAINERS / "Dockerfile.gpu", "gpu-pytorch": CONTAINERS / "Dockerfile.gpu-pytorch",
+               "cpu": CONTAINERS / "Dockerfile.cpu"}
 APPTAINER_DEF = CONTAINERS / "scalelab.def"
 PIN = re.compile(r"\b([A-Za-z][A-Za-z0-9_.\-]*)(?:\[[^\]]*\])?==([0-9][0-9A-Za-z.+\-]*)")
 
@@ -144,6 +145,80 @@ def test_gpu_image_is_ngc_tensorflow_with_the_projects_tensorflow_and_horovod():
     assert args["NGC_TENSORFLOW_TAG"] in text.split("ARG NGC_TENSORFLOW_TAG")[0]
 
 
+def test_pytorch_gpu_image_is_ngc_pytorch_kept_with_horovod_built_against_it():
+    dockerfile = DOCKERFILES["gpu-pytorch"]
+    args = args_of(dockerfile)
+    froms = [arguments for keyword, arguments in instructions(dockerfile) if keyword == "FROM"]
+    assert froms == ["nvcr.io/nvidia/pytorch:${NGC_PYTORCH_TAG}"]
+    assert re.fullmatch(r"\d\d\.\d\d-py3", args["NGC_PYTORCH_TAG"]), args["NGC_PYTORCH_TAG"]
+    text = dockerfile.read_text()
+    # The comment says which PyTorch the tag is expected to carry, and that it was not pulled; setup.sh
+    # --torch-from-base stops the build on any other minor release.
+    expected = re.search(rf"{re.escape(args['NGC_PYTORCH_TAG'].split('-')[0])} is the release expected to carry "
+                         r"PyTorch (\d+\.\d+)", text)
+    assert expected and expected.group(1) == ".".join(project_pins()["torch"].split(".")[:2])
+    assert "was not pulled" in text
+    runs = [" ".join(arguments.split()) for keyword, arguments in instructions(dockerfile) if keyword == "RUN"]
+    assert runs[:2] == [
+        "containers/setup.sh --system-python --torch-from-base --gpu --dependencies-only "
+        "&& rm -rf /root/.cache/pip /var/lib/apt/lists/*",
+        "containers/setup.sh --system-python --torch-from-base --gpu --skip-apt && rm -rf /root/.cache/pip"]
+    # The course set up as in the other images, once Ubuntu 24.04's own account of uid 1000 is out of the way.
+    normalised = lambda steps: [(keyword, " ".join(arguments.split())) for keyword, arguments in steps]  # noqa: E731
+    ours, cpu = normalised(course_steps(dockerfile)), normalised(course_steps(DOCKERFILES["cpu"]))
+    assert ours[0] == ("RUN", "if id -u ubuntu >/dev/null 2>&1; then userdel --remove ubuntu; fi && " + cpu[0][1])
+    assert [step for step in ours[1:] if step[0] != "ENV"] == [step for step in cpu[1:] if step[0] != "ENV"]
+    assert copy_sources(dockerfile) == copy_sources(DOCKERFILES["cpu"])
+    # The Assess button grades on every GPU with DDP there.
+    env_line = " ".join(arguments for keyword, arguments in instructions(dockerfile) if keyword == "ENV")
+    track = dict(re.findall(r"(\w+)=(\S+)", env_line))["SCALELAB_TRACK"]
+    from scalelab.grader import spec
+    gpu_track = spec.load_track(track)
+    assert (gpu_track.framework, gpu_track.launcher, gpu_track.ranks) == ("pytorch", "torchrun", spec.ALL_GPUS)
+
+
+def setup_sh(*options: str, python: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("SCALELAB_EDITION", "PYTHONPATH", "VIRTUAL_ENV")}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    return subprocess.run([str(CONTAINERS / "setup.sh"), *options], capture_output=True, text=True, timeout=120,
+                          env={**env, "PYTHON": python})
+
+
+def fake_torch(tmp_path: Path, version: str, cuda: str | None) -> Path:
+    package = tmp_path / "site" / "torch"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(f"from . import version\n__version__ = {version!r}\n")
+    (package / "version.py").write_text(f"cuda = {cuda!r}\n")
+    return package.parent
+
+
+@pytest.mark.parametrize("base, message", [
+    ("no torch", "cannot import PyTorch"),
+    ("2.9.0a0+5228986c39.nv25.09 12.9", "the base ships PyTorch 2.9.0a0+5228986c39.nv25.09; the course pins PyTorch "),
+    ("cpu build", "a CPU build (no CUDA); the GPU image needs NVIDIA's CUDA build"),
+])
+def test_setup_with_the_bases_pytorch_stops_before_installing_anything_on_another_release_or_a_cpu_build(
+        tmp_path, base, message):
+    python, pythonpath = sys.executable, None
+    if base == "no torch":
+        pythonpath = tmp_path / "site"
+        (pythonpath / "torch").mkdir(parents=True)
+        (pythonpath / "torch" / "__init__.py").write_text("raise ImportError('no module named torch here')\n")
+    elif base == "cpu build":
+        pythonpath = fake_torch(tmp_path, f"{project_pins()['torch']}+cpu", None)
+    else:
+        version, cuda = base.split()
+        pythonpath = fake_torch(tmp_path, version, cuda)
+    done = setup_sh("--system-python", "--torch-from-base", "--gpu", "--skip-apt", python=python,
+                    pythonpath=pythonpath)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert message in done.stderr, done.stderr
+    assert "Edition: PyTorch only (--torch-from-base: the base's PyTorch, no TensorFlow)" in done.stdout
+    assert "Installing" not in done.stdout  # stopped before pip or apt-get ran
+
+
 def test_cpu_image_installs_through_the_setup_script_that_make_setup_and_ci_run():
     dockerfile = DOCKERFILES["cpu"]
     froms = [arguments for keyword, arguments in instructions(dockerfile) if keyword == "FROM"]
@@ -178,7 +253,7 @@ def test_images_serve_jupyterlab_on_8888_as_a_non_root_user(flavour):
     command = json.loads(dict(steps)["CMD"])
     assert command[:2] == ["jupyter", "lab"] and "--ServerApp.port=8888" in command
     assert "--ServerApp.ip=0.0.0.0" in command  # the container's own network: reachable through -p only
-    assert f"docker run {'--gpus all ' if flavour == 'gpu' else ''}--rm -p 127.0.0.1:8888:8888" in \
+    assert f"docker run {'--gpus all ' if flavour.startswith('gpu') else ''}--rm -p 127.0.0.1:8888:8888" in \
         DOCKERFILES[flavour].read_text()
 
 
@@ -307,7 +382,7 @@ def course_steps(dockerfile: Path) -> list[tuple[str, str]]:
     """What an image does once its stack is installed: the student's account and course, the settings, the server."""
     steps = instructions(dockerfile)
     first = next(i for i, (keyword, arguments) in enumerate(steps)
-                 if keyword == "RUN" and arguments.startswith("useradd"))
+                 if keyword == "RUN" and re.search(r"(^|&& )useradd ", arguments))
     return steps[first:]
 
 

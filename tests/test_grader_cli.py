@@ -57,7 +57,7 @@ def test_unknown_track_exits_2_naming_the_known_tracks(tmp_path):
     submission = tmp_path / "assessment.py"
     submission.write_text("print('hi')\n")
     done = scalelab("assess", submission, "--track", "gpu-please")
-    known = "cifar10, cifar10-cpu, cifar10-ddp-cpu, cifar10-horovod-torch-cpu, fashion-mnist-cpu"
+    known = "cifar10, cifar10-cpu, cifar10-ddp, cifar10-ddp-cpu, cifar10-horovod-torch-cpu, fashion-mnist-cpu"
     assert done.returncode == 2 and f"known tracks: {known}" in done.stderr
 
 

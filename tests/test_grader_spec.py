@@ -55,7 +55,7 @@ def test_the_pytorch_edition_grades_the_ddp_track_by_default_and_refuses_a_keras
     with pytest.raises(spec.SpecError) as refused:
         spec.load_track("cifar10-cpu")
     assert str(refused.value).startswith(f"track 'cifar10-cpu' grades a Keras model: {environment.KERAS_LEFT_OUT}; "
-                                         "the PyTorch tracks: cifar10-ddp-cpu, cifar10-horovod-torch-cpu")
+                                         "the PyTorch tracks: cifar10-ddp, cifar10-ddp-cpu, cifar10-horovod-torch-cpu")
 
 
 def test_unknown_track_error_lists_the_known_ones():

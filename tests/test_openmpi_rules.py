@@ -98,7 +98,7 @@ def test_the_makefile_exports_the_rules_file():
     assert switch == "1" and Path(path) == RULES
 
 
-@pytest.mark.parametrize("recipe", ["Dockerfile.cpu", "Dockerfile.gpu", "scalelab.def"])
+@pytest.mark.parametrize("recipe", ["Dockerfile.cpu", "Dockerfile.gpu", "Dockerfile.gpu-pytorch", "scalelab.def"])
 def test_the_images_point_open_mpi_at_the_rules_file_they_copy(recipe):
     text = (PROJECT_ROOT / "containers" / recipe).read_text()
     assert re.search(r"OMPI_MCA_coll_tuned_use_dynamic_rules=\"?(\$\{[^}]*:-)?1", text)
