@@ -19,7 +19,8 @@
 #   HUB_VENV (/opt/scalelab/venv)                the environment every account runs: the stack, JupyterHub, the
 #                                                course as a copy (containers/setup.sh --hub)
 #   HUB_COURSE (/opt/scalelab/course)            what each student's ~/scalelab starts from: labs/release/ (made
-#                                                here with nbgrader) and the assessment, never a solution
+#                                                here with nbgrader; the PyTorch edition's without the Keras labs)
+#                                                and the assessment, never a solution
 #   HUB_STATE (/var/lib/scalelab-hub)            the Hub's database, cookie secret and proxy token, mode 0700
 #   HUB_NBGRADER (/srv/nbgrader)                 nbgrader's exchange (exchange/) and the instructors' course
 #                                                directory (course/: sources, submissions, gradebook.db)
@@ -166,11 +167,16 @@ staging="$HUB_COURSE.new"
 course_scripts=$("$HUB_VENV/bin/python" -I -c 'from scalelab.environment import COURSE_SCRIPTS
 print(" ".join(COURSE_SCRIPTS))') && [ -n "$course_scripts" ] ||
     fail $EXIT_FAILED "the list of the course's scripts could not be read from $HUB_VENV."
+# The labs the students' copy leaves out, as `make lab`'s view does: the Keras labs on the PyTorch edition.
+labs_left_out=$("$HUB_VENV/bin/python" -I -c 'from scalelab.lab_setup import labs_left_out
+print(" ".join(labs_left_out()))') ||
+    fail $EXIT_FAILED "the labs of this edition could not be read from $HUB_VENV."
 rm -rf "$staging"
 (
     umask 022
     mkdir -p "$staging/labs" "$staging/assessment" "$staging/source_code"
     cp -R "$project_root/labs/release/." "$staging/labs/"
+    for lab in $labs_left_out; do rm -rf "${staging:?}/labs/$lab"; done
     # The scripts the labs run (the library itself is in the venv); never a worked solution. Student servers find
     # them through SCALELAB_SOURCE_DIR (jupyterhub_config.py).
     for script in $course_scripts; do

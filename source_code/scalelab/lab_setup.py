@@ -54,6 +54,12 @@ LINKS = ("assessment/tracks.toml", *(f"source_code/{name}" for name in STUDENT_S
 IGNORED = {"__pycache__"}
 
 
+def labs_left_out() -> tuple[str, ...]:
+    """The released labs a student's copy of the course leaves out on this install: the Keras labs on the PyTorch
+    edition (``make lab``'s view and the Hub's copy alike)."""
+    return KERAS_LABS if edition() == "pytorch" else ()
+
+
 def scripts_dir() -> Path:
     """Where this interpreter's console scripts are: the venv's bin/ (horovodrun, nbgrader, scalelab)."""
     return Path(sysconfig.get_path("scripts"))
@@ -166,7 +172,7 @@ def build_student_view(view: Path, course: Path = COURSE_ROOT) -> dict[str, list
     view, course = Path(view).resolve(), Path(course).resolve()
     labs = course / "labs"
     copies = {}
-    left_out = KERAS_LABS if edition() == "pytorch" else ()
+    left_out = labs_left_out()
     with locked(labs):
         if release_is_stale(labs):
             release_labs(labs)
