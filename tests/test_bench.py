@@ -53,6 +53,35 @@ def test_epoch_throughputs_reads_the_course_scripts_epoch_lines_and_drops_the_fi
     assert training.epoch_throughputs(under_mpi) == [3100.0, 3300.0]
 
 
+def test_p10_is_the_pytorch_references_img_s_over_the_bare_steps_within_each_repeat(tmp_path, monkeypatch):
+    bare = iter([[1000.0, 1100.0, 1200.0], [500.0, 600.0, 700.0]])
+    reference = iter([[900.0, 1000.0], [480.0, 540.0]])
+    monkeypatch.setattr(training, "torch_bare_step", lambda out_dir, tag, steps: {
+        "images_per_s": next(bare), "device_name": "NVIDIA H100 80GB HBM3"})
+    monkeypatch.setattr(training, "torch_reference", lambda out_dir, tag, epochs: next(reference))
+    result = training.measure_torch(tmp_path, repeats=2, epochs=3, steps=40, log=lambda line: None)
+    # Each repeat's medians: 950 / 1100, then 510 / 600 (the machine slowed down between repeats: both sides moved).
+    assert result["P10"]["samples"] == pytest.approx([950 / 1100, 510 / 600])
+    assert result["device"] == "NVIDIA H100 80GB HBM3"
+    monkeypatch.setattr(training, "torch_reference", lambda out_dir, tag, epochs: [])
+    bare = iter([[1000.0]])
+    with pytest.raises(processes.BenchmarkError, match="printed no epoch after the first"):
+        training.measure_torch(tmp_path, repeats=1, epochs=1, steps=40, log=lambda line: None)
+
+
+def test_the_bare_pytorch_step_times_the_assessments_model_on_real_cifar10(tmp_path):
+    result_file = tmp_path / "step.json"
+    done = subprocess.run([sys.executable, str(PROJECT_ROOT / "source_code" / "benchmarks" /
+                                                "train_step_throughput_torch.py"),
+                           "--steps", "3", "--warmup", "1", "--repeats", "2", "--images", "256", "--device", "cpu",
+                           "--json", str(result_file)], capture_output=True, text=True, timeout=300,
+                          env=subprocess_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(result_file.read_text())
+    assert result["device"] == "cpu" and result["batch_size"] == training.TORCH_BATCH
+    assert len(result["images_per_s"]) == 2 and all(rate > 0 for rate in result["images_per_s"])
+
+
 def test_p6_is_bus_bandwidth_over_the_median_memcpy_at_64_mb_or_the_largest_size_measured():
     document = {"controller": "gloo", "memcpy_gb_per_s_spread": spread([4.0, 5.0, 6.0]), "sizes": []}
     for size, rates in ((1 << 20, [1.0, 1.0]), (64 << 20, [2.0, 3.0, 2.5])):
@@ -166,7 +195,7 @@ def test_quick_run_writes_report_json_markdown_and_plots_with_every_figure(tmp_p
                               env=subprocess_env(PYTHONPATH=str(PROJECT_ROOT / "source_code")))
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     document = json.loads((out / "report.json").read_text())
-    assert set(document["figures"]) == {"P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8"}
+    assert set(document["figures"]) == {"P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "P10"}
     for figure in document["figures"].values():
         assert {"min", "median", "max", "goal", "met", "what"} <= set(figure)
     # What --quick measures is real: positive ratios from real runs, min ≤ median ≤ max.
@@ -174,7 +203,7 @@ def test_quick_run_writes_report_json_markdown_and_plots_with_every_figure(tmp_p
         figure = document["figures"][measured]
         assert figure["n"] >= 1 and 0 < figure["min"] <= figure["median"] <= figure["max"], figure
     assert document["figures"]["P6"]["memcpy_gb_per_s"]["median"] > 0
-    for skipped in ("P2", "P3", "P4", "P5", "P7", "P8"):
+    for skipped in ("P2", "P3", "P4", "P5", "P7", "P8", "P10"):
         assert document["figures"][skipped]["not_measured"] == "skipped in --quick"
     for key in ("cpu_model", "cpu_count", "tensorflow", "horovod", "python"):
         assert document["environment"][key], key

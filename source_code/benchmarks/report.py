@@ -27,6 +27,9 @@ FIGURES = {
     "P8": ("live evaluation's cost: the reference's snapshot times (grader's clock) with the grader measuring each "
            "snapshot as it arrives ÷ without (measured after the run), same epochs, interleaved pairs", "<=", 1.03,
            "ratio"),
+    "P10": ("img/s of the PyTorch reference (assessment_pytorch.py, one DDP rank under torchrun, on the GPU where "
+            "there is one) ÷ bare PyTorch train step, same model and batch, data already on the device; report only "
+            "until measured on a GPU", None, None, "ratio"),
 }
 
 

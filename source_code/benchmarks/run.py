@@ -28,27 +28,29 @@ from . import (assessment, bandwidth, class_grading, grader_overhead, plots, pro
                training)
 from .summary import not_measured, spread
 
-STAGES = ("bandwidth", "training", "grader", "class", "assessment")
+STAGES = ("bandwidth", "training", "training-torch", "grader", "class", "assessment")
 # What each stage fills in, so that a run of some stages (--only) can keep the others' results (--keep).
-STAGE_FIGURES = {"bandwidth": ("P6",), "training": ("P1", "P2"), "grader": ("P3",), "class": ("P5",),
-                 "assessment": ("P4", "P7", "P8")}
+STAGE_FIGURES = {"bandwidth": ("P6",), "training": ("P1", "P2"), "training-torch": ("P10",), "grader": ("P3",),
+                 "class": ("P5",), "assessment": ("P4", "P7", "P8")}
 STAGE_DETAILS = {"bandwidth": ("allreduce", "allreduce_bound"), "training": ("training", "batch_sweep"),
-                 "grader": ("grader_overhead",), "class": ("class_grading",), "assessment": ()}
+                 "training-torch": ("training_torch",), "grader": ("grader_overhead",), "class": ("class_grading",),
+                 "assessment": ()}
 STAGE_PLOTS = {"bandwidth": ("allreduce_bandwidth.png",), "training": ("images_per_s_vs_batch.png",),
-               "grader": (), "class": ("class_grading.png",), "assessment": ()}
+               "training-torch": (), "grader": (), "class": ("class_grading.png",), "assessment": ()}
 
 
 def settings(quick: bool) -> dict:
     if quick:
         return dict(sizes=bandwidth.QUICK_SIZES, allreduce_repeats=3, variants=["gloo"], repeats=1, epochs=2,
                     train_images=2560, steps=10, sweep=[32, 128], sweep_images=256, sweep_repeats=1,
-                    with_horovod=False, grader_repeats=0, students=0, clicks=0, repeat_gradings=0, live_pairs=0)
+                    with_horovod=False, grader_repeats=0, students=0, clicks=0, repeat_gradings=0, live_pairs=0,
+                    torch_repeats=0, torch_epochs=0, torch_steps=0)
     # Sized to stay under 15 minutes on 2 cores. P1/P2: 5 repeats of 80-step epochs (40-step epochs and 3 repeats
     # gave medians from 0.91 to 0.99 for the same code: consecutive runs here differ by up to 10 %).
     return dict(sizes=bandwidth.FULL_SIZES, allreduce_repeats=7, variants=list(bandwidth.VARIANTS), repeats=5,
                 epochs=3, train_images=10240, steps=40, sweep=[32, 64, 128, 256, 512], sweep_images=1280,
                 sweep_repeats=2, with_horovod=True, grader_repeats=6, students=20, clicks=2, repeat_gradings=5,
-                live_pairs=2)
+                live_pairs=2, torch_repeats=3, torch_epochs=3, torch_steps=40)
 
 
 def main(argv=None) -> int:
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     skipped = "skipped in --quick" if args.quick else "stage not selected (--only)"
-    figures = {figure_id: not_measured(skipped) for figure_id in ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8")}
+    figures = {figure_id: not_measured(skipped) for figure_id in report.FIGURES}
     details, notes, plot_files, durations, stages_kept = {}, [], [], {}, []
     started = time.perf_counter()
     earlier = ([out / "report.json"] if args.keep else []) + [path.resolve() for path in args.keep_from]
@@ -156,6 +158,15 @@ def main(argv=None) -> int:
         details["batch_sweep"] = sweep
         plot_files.append(plots.throughput_vs_batch(sweep, out / "images_per_s_vs_batch.png").name)
 
+    def run_training_torch():
+        if config["torch_repeats"] < 1:
+            return
+        result = training.measure_torch(logs / "training-torch", repeats=config["torch_repeats"],
+                                        epochs=config["torch_epochs"], steps=config["torch_steps"])
+        figures["P10"] = dict(result["P10"], device=result["device"])
+        details["training_torch"] = result
+        notes.append(f"training-torch: P10 measured on {result['device']}")
+
     def run_grader():
         if config["grader_repeats"] < 1:
             return
@@ -182,6 +193,7 @@ def main(argv=None) -> int:
 
     stage("bandwidth", run_bandwidth)
     stage("training", run_training)
+    stage("training-torch", run_training_torch)
     stage("grader", run_grader)
     stage("class", run_class)
     stage("assessment", run_assessment)
