@@ -12,7 +12,8 @@
 #                       solutions)
 #   --gpu               tensorflow[and-cuda], PyTorch's default (CUDA) build and Horovod with NCCL instead of the CPU
 #                       builds
-#   --system-python     install into the chosen interpreter instead of a venv (container images)
+#   --system-python     install into the chosen interpreter instead of a venv (container images), without what only
+#                       the test suite runs (Chromium, a one-node Slurm, the test extra)
 #   --framework-from-base  keep the TensorFlow and Horovod the interpreter already has (the GPU image: NVIDIA's NGC
 #                       build, with NCCL); stop unless they are the pinned releases (TensorFlow's minor release,
 #                       Horovod exactly), install only what the course runs with from Debian/Ubuntu, and the course
@@ -524,9 +525,13 @@ check_base_torch() {
 if [ "$framework_source" = torch-base ]; then check_base_torch "$python_base"; fi
 
 # Debian packages: the MPI Horovod links against, its build tools (and `patch` for containers/patches/),
-# offline Fashion-MNIST, the grader's sandbox, Chromium for the browser tests, and Slurm + munge (the Slurm
-# backend and its tests).
-apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make patch dataset-fashion-mnist bubblewrap chromium procps slurm-wlm slurm-client munge)
+# offline Fashion-MNIST, the grader's sandbox and Slurm's commands (the Slurm backend).
+apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make patch dataset-fashion-mnist bubblewrap procps slurm-client)
+# What only the test suite runs: Chromium (the browser tests) and a one-node Slurm (its daemons and munge), with the
+# test extra; a venv has them (`make setup` is also `make test`'s), an image (--system-python) does not.
+test_packages=(chromium slurm-wlm munge)
+with_tests="$use_venv"
+if [ "$with_tests" = 1 ]; then apt_packages+=("${test_packages[@]}"); fi
 # With the base's TensorFlow and Horovod (and its MPI), only what the course runs with: the grader's sandbox and
 # what it needs, offline Fashion-MNIST. (util-linux, for setpriv, is essential in Debian and Ubuntu.)
 runtime_packages=(bubblewrap util-linux procps dataset-fashion-mnist)
@@ -720,11 +725,13 @@ fi
 
 # pyproject.toml's extra: the flavour's TensorFlow and PyTorch, or PyTorch alone for the PyTorch edition.
 extra="$flavour"
+tests_extra=""
+if [ "$with_tests" = 1 ]; then tests_extra=",test"; fi
 if [ "$edition" = pytorch ]; then extra=torch; fi
 if [ "$dependencies_only" = 1 ]; then
     say "Installing the course's pinned dependencies (the course itself comes later)"
     requirements="$(mktemp)"
-    "$python" - "$project_root/pyproject.toml" "$framework_source" "$extra" > "$requirements" <<'PY'
+    "$python" - "$project_root/pyproject.toml" "$framework_source" "$extra" "$with_tests" > "$requirements" <<'PY'
 import sys
 try:
     import tomllib
@@ -734,7 +741,8 @@ except ImportError:  # Python 3.10: the TOML reader pip brings
 project = tomllib.load(open(sys.argv[1], "rb"))["project"]
 extras = project["optional-dependencies"]
 # With the base's framework, no flavour extra: it would install a TensorFlow wheel over the base's.
-wanted = project["dependencies"] + (extras[sys.argv[3]] + extras["test"] if sys.argv[2] == "build" else [])
+wanted = project["dependencies"] + (extras[sys.argv[3]] if sys.argv[2] == "build" else [])
+wanted += extras["test"] if sys.argv[2] == "build" and sys.argv[4] == "1" else []
 print("\n".join(wanted))
 PY
     install_pinned -r "$requirements"
@@ -748,7 +756,7 @@ else
         # version number does not change when the course's code does.
         refresh=()
         if [ "$installer" = uv ]; then refresh=(--reinstall-package scalelab); fi
-        install_pinned ${refresh[@]+"${refresh[@]}"} "${project_root}[$extra,test]"
+        install_pinned ${refresh[@]+"${refresh[@]}"} "${project_root}[$extra$tests_extra]"
     elif [ "$framework_source" = base ]; then
         # No extra: the cpu and gpu extras would install a TensorFlow wheel over the base's.
         install_pinned -e "${project_root}"
@@ -758,7 +766,7 @@ else
         install_pinned -e "${project_root}"
         check_base_torch "$python" "installing the course left"
     else
-        install_pinned -e "${project_root}[$extra,test]"
+        install_pinned -e "${project_root}[$extra$tests_extra]"
     fi
 fi
 
