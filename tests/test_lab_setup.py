@@ -89,6 +89,10 @@ def test_the_pytorch_editions_view_leaves_out_the_keras_labs_and_says_so(tmp_pat
     assert (view / "labs" / "lab3_ddp" / "fashion_mnist_ddp_student.py").is_file()
     assert f"student view    left out: {', '.join(lab_setup.KERAS_LABS)} ({environment.KERAS_LEFT_OUT})" \
         in capsys.readouterr().out.splitlines()
+    # What `make hub` leaves out of its students' copy too (containers/hub/hub.sh asks the Hub's venv).
+    assert lab_setup.labs_left_out() == lab_setup.KERAS_LABS
+    monkeypatch.setattr(lab_setup, "edition", lambda: "all")
+    assert lab_setup.labs_left_out() == ()
 
 
 def test_the_keras_labs_are_those_whose_material_uses_tensorflow():
