@@ -47,12 +47,12 @@ if podman image exists "$name"; then
     exit 0
 fi
 
-# The mirror apt already uses for bookworm itself (not -updates or -security), as apt reads its sources; it carries
-# trixie too.
+# The mirror apt already uses for the host's own release (not -updates or -security), as apt reads its sources:
+# Debian's mirrors carry bookworm and trixie alike, whichever of them (or a later one) the host runs.
 # shellcheck disable=SC2016  # $(RELEASE) and $(REPO_URI) are apt's placeholders, not the shell's
 mirror="$(apt-get indextargets --format '$(RELEASE) $(REPO_URI)' 'Identifier: Packages' 2>/dev/null |
-    awk '$1 == "bookworm" { print $2; exit }')"
-[ -n "$mirror" ] || fail "apt's sources name no Debian mirror for bookworm (apt-get indextargets lists none)"
+    awk '$1 ~ /^[a-z]+$/ && $2 !~ /security/ { print $2; exit }')"
+[ -n "$mirror" ] || fail "apt's sources name no Debian mirror (apt-get indextargets lists none for a release)"
 packages=python3,python3-venv,python3-pip,ca-certificates
 if [ "$suite" = trixie ]; then packages+=,make; fi
 

@@ -53,9 +53,10 @@ if [ "$mode" = again ]; then
 else
     podman rm --force "$name" >/dev/null 2>&1 || true
     "$project_root/containers/debian-base.sh" --suite trixie "$image" || exit 1
-    # The committed files only: what a fresh clone has.
-    rm -rf "$checkout" && mkdir -p "$checkout"
-    git -C "$project_root" archive HEAD | tar -x -C "$checkout"
+    # A fresh clone of the committed files, Git's history with them (the Hub's tests check that students cannot
+    # read it).
+    rm -rf "$checkout"
+    git clone --quiet --no-hardlinks "$project_root" "$checkout"
     bundle="$(realpath "${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}")"
     podman run --detach --name "$name" --privileged --user root --network host "${podman_run[@]}" \
         --volume "$checkout:/scalelab" --volume "$bundle:/etc/ssl/certs/ca-certificates.crt:ro" \
