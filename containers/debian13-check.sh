@@ -24,6 +24,9 @@ project_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 image=localhost/scalelab-host:trixie
 name=scalelab-debian13
 checkout=/var/tmp/scalelab-debian13
+# The host's own podman storage (test_image builds the CPU image there): on this machine's disk, since podman's
+# overlay driver cannot stack on the container's own overlay root.
+storage=/var/tmp/scalelab-debian13-containers
 mode=once
 case "${1:-}" in
     --keep) mode=keep; shift ;;
@@ -55,17 +58,18 @@ else
     "$project_root/containers/debian-base.sh" --suite trixie "$image" || exit 1
     # A fresh clone of the committed files, Git's history with them (the Hub's tests check that students cannot
     # read it).
-    rm -rf "$checkout"
+    rm -rf "$checkout" "$storage" && mkdir -p "$storage"
     git clone --quiet --no-hardlinks "$project_root" "$checkout"
     bundle="$(realpath "${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}")"
     podman run --detach --name "$name" --privileged --user root --network host "${podman_run[@]}" \
-        --volume "$checkout:/scalelab" --volume "$bundle:/etc/ssl/certs/ca-certificates.crt:ro" \
+        --volume "$checkout:/scalelab" --volume "$storage:/var/lib/containers" \
+        --volume "$bundle:/etc/ssl/certs/ca-certificates.crt:ro" \
         --volume "$SCALELAB_CIFAR10_DIR:/data/cifar10:ro" --env SCALELAB_CIFAR10_DIR=/data/cifar10 \
         --env SCALELAB_TORCH_INDEX="${SCALELAB_TORCH_INDEX:-}" --env SCALELAB_TORCH_BUILD="${SCALELAB_TORCH_BUILD:-}" \
         --env SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt --env CI=true --workdir /scalelab \
         "$image" sleep infinity >/dev/null
 fi
-if [ "$mode" = once ]; then trap 'podman rm --force "$name" >/dev/null 2>&1; rm -rf "$checkout"' EXIT; fi
+if [ "$mode" = once ]; then trap 'podman rm --force "$name" >/dev/null 2>&1; rm -rf "$checkout" "$storage"' EXIT; fi
 
 # shellcheck disable=SC2016  # expanded inside the container
 inside='set -uo pipefail

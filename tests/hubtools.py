@@ -66,8 +66,10 @@ def scalelab_class(*arguments: str, password: str | None = None, as_user: str | 
 
 
 def processes_of(uid: int) -> list[psutil.Process]:
+    """The processes of ``uid``, each with ``info["cmdline"]`` read as it was found (None for one that had ended
+    meanwhile: a zombie has no command line to read later)."""
     found = []
-    for process in psutil.process_iter(["uids"]):
+    for process in psutil.process_iter(["uids", "cmdline"]):
         uids = process.info["uids"]
         if uids and uid in (uids.real, uids.effective):
             found.append(process)

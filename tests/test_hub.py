@@ -98,7 +98,7 @@ def test_a_students_server_runs_in_cgroups_of_its_own_that_stop_a_fork_bomb(hub,
     """One student's processes stay within their server's limits: the class and the Hub go on."""
     name = accounts["student_a"]
     servers = [process.pid for process in processes_of(pwd.getpwnam(name).pw_uid)
-               if "jupyterhub-singleuser" in " ".join(process.cmdline())]
+               if "jupyterhub-singleuser" in " ".join(process.info["cmdline"] or [])]
     assert servers and set(servers) <= server_limits.members(name), "the server is in its own cgroups"
     limits = server_limits.ServerLimits.from_environment({})
     if server_limits.uses_v1():

@@ -104,7 +104,7 @@ def memory_figures(hub) -> dict:
                "service": rss_mib(with_children(services[0]))}
     for role, name in hub.students.items():
         servers = [process for process in processes_of(_uid(hub, name))
-                   if any("jupyterhub-singleuser" in part for part in process.cmdline())]
+                   if any("jupyterhub-singleuser" in part for part in process.info["cmdline"] or [])]
         assert len(servers) == 1, f"not one server of {name}: {servers}"
         figures[f"server_{role}"] = rss_mib(servers)
         figures[f"server_{role}_with_kernels"] = rss_mib(with_children(servers[0]))
