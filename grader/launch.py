@@ -541,6 +541,8 @@ def _run_local(job: JobSpec, on_progress, private_dir: Path, groups: cgroups.San
     wall_time_s = time.monotonic() - started
     finished_at = utc_now()
     survivors = kill_survivors(leader.pid, job.sandbox_uid)
+    if collector is not None and terminated_at is None:  # ended by itself: its last model joins the curve
+        collector.final_look(wall_time_s)
     # horovodrun is gone; its pipe closes once every process holding it is gone too.
     reader.join(timeout=10)
     leader.stdout.close()

@@ -4,7 +4,8 @@ The run saves its model once an epoch (the assessment's DO-NOT-EDIT section writ
 place). While the run goes, the grader looks at that file every ``POLL_INTERVAL_S``; each new version (another
 inode, size or modification time) is copied out under the job-file rules (:mod:`jobfiles`: no link on the way, a
 regular file of the run's uid, at most ``limit_bytes``, unchanged while it was copied) into ``destination``, and
-stamped with the grader's seconds since the run started. The run's own timestamps are never read for it.
+stamped with the grader's seconds since the run started. The run's own timestamps are never read for it. A run
+that ends by itself gets one more look at its exit, so that a model saved just before it is not missed.
 
 A run cannot flood the grader: versions closer than ``min_interval_s`` to the last one kept wait for the next look,
 and after ``max_snapshots`` no more are kept. A version that fails the rules is skipped with a note (once per
@@ -72,10 +73,22 @@ class SnapshotCollector:
         if elapsed_s < self._next_look_s or len(self.snapshots) >= self.max_snapshots:
             return None
         self._next_look_s = elapsed_s + self.poll_interval_s
+        return self._take(elapsed_s, at_exit=False)
+
+    def final_look(self, elapsed_s: float) -> Snapshot | None:
+        """The run ended by itself at ``elapsed_s``: copy the model as it left it, if that version is not kept yet.
+
+        A run that saves and exits between two looks would otherwise leave its last model out of the curve; at the
+        exit nothing writes any more, so the once-per-interval cap does not apply (the maximum still does)."""
+        if len(self.snapshots) >= self.max_snapshots:
+            return None
+        return self._take(elapsed_s, at_exit=True)
+
+    def _take(self, elapsed_s: float, at_exit: bool) -> Snapshot | None:
         version = self._version()
         if version is None or version == self._seen_version:
             return None
-        if self.snapshots and elapsed_s - self.snapshots[-1].at_s < self.min_interval_s:
+        if not at_exit and self.snapshots and elapsed_s - self.snapshots[-1].at_s < self.min_interval_s:
             self._deferred += 1
             self._note(f"the run saved its model more often than every {self.min_interval_s:g} s; the grader "
                        f"kept at most one version per {self.min_interval_s:g} s")

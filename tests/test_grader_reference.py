@@ -41,7 +41,9 @@ def test_reference_solution_passes_cifar10_cpu(tmp_path, cifar10_dir):
     assert len(snapshots) >= 2 and [s["index"] for s in snapshots] == list(range(1, len(snapshots) + 1))
     times = [s["at_s"] for s in snapshots]
     assert times == sorted(times) and 0 < times[0] and times[-1] <= verdict["wall_time_s"]
-    assert all(later - earlier >= 2.0 for earlier, later in zip(times, times[1:]))
+    # One version per 2 s at most, but for the look the grader takes at the run's exit.
+    during = [at for at in times if at < verdict["wall_time_s"] - 0.5]
+    assert all(later - earlier >= 2.0 for earlier, later in zip(during, during[1:]))
     final = hashlib.sha256((tmp_path / "out" / "snapshots" / "snapshot-001.keras").read_bytes()).hexdigest()
     assert final == snapshots[0]["sha256"] and len({s["sha256"] for s in snapshots}) == len(snapshots)
     assert not any("skipped" in note for note in verdict["notes"]), verdict["notes"]

@@ -6,13 +6,15 @@ kept, on its own clock, and what it said about the rest."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
-from scalelab.grader import jobfiles, snapshots
+from scalelab.grader import jobfiles, launch, sandbox, snapshots
 
 RELATIVE = "output/model.keras"
 LIMIT = 1 << 20
@@ -99,3 +101,39 @@ def test_a_model_rewritten_while_the_grader_copies_it_is_not_kept(job, tmp_path,
     assert taken.poll(2.0) is None
     assert taken.snapshots == [] and not list((tmp_path / "snapshots").glob("*"))
     assert "changed while the grader read it" in taken.notes[0]
+
+
+def test_a_model_saved_just_before_the_run_exits_is_taken_at_the_exit(job, tmp_path):
+    taken = snapshots.SnapshotCollector(job, RELATIVE, tmp_path / "snapshots", owner_uid=os.getuid(),
+                                        limit_bytes=LIMIT, poll_interval_s=1.0, min_interval_s=2.0)
+    save(job, b"epoch 1 model")
+    assert taken.poll(9.0).at_s == 9.0
+    save(job, b"epoch 2 model")  # saved, then the run exits before the next look is due
+    assert taken.poll(9.5) is None
+    final = taken.final_look(9.6)
+    assert (final.index, final.at_s) == (2, 9.6), "the exit is looked at even within the once-per-2 s cap"
+    assert Path(final.file).read_bytes() == b"epoch 2 model"
+    assert taken.final_look(9.7) is None, "the version already kept is not copied again"
+    assert taken.notes == []
+
+
+def test_a_run_that_saves_its_model_and_exits_at_once_leaves_that_model_in_the_graders_snapshots(tmp_path):
+    """A run, in the real sandbox, that saves its model and ends a moment later, between two of the grader's looks."""
+    problem = sandbox.sandbox_works()
+    if problem:
+        pytest.fail(problem)
+    submission = tmp_path / "assessment.py"
+    submission.write_text("")
+    job = launch.prepare_job(submission, tmp_path / "job", dataset="fashion-mnist", track_name="test", np=1,
+                             launcher="gloo", launcher_options=(), time_budget_s=60, grace_s=5,
+                             logs_dir=tmp_path / "logs", hidden_paths=[], snapshots_dir=tmp_path / "snapshots")
+    saves_and_exits = ("import os, pathlib, time; time.sleep(1.5); "
+                       "pathlib.Path(os.environ['SCALELAB_OUTPUT_DIR'], 'model.keras').write_bytes(b'final model')")
+    try:
+        run = launch.run_local(dataclasses.replace(job, command=[sys.executable, "-c", saves_and_exits]))
+    finally:
+        sandbox.release_uid(job.sandbox_uid)
+    assert run.exit_code == 0, run.launcher_log
+    [final] = run.snapshots
+    assert final["at_s"] == pytest.approx(run.wall_time_s, abs=0.5) and final["bytes"] == len(b"final model")
+    assert Path(final["file"]).read_bytes() == b"final model"
