@@ -262,12 +262,13 @@ def assess(submission_path, track_name: str | spec.Track | None = None, np: int 
         report({"state": "running", "elapsed_s": 0.0, "time_budget_s": track.time_budget_s, "epochs_seen": 0,
                 "latest_accuracy": None, "checkpoint_mtime": None})
         try:
-            compile(source, "assessment.py", "exec")  # compiling runs none of the submission's code
+            compile(source, track.submission_file, "exec")  # compiling runs none of the submission's code
         except (SyntaxError, ValueError) as error:
             line = f" at line {error.lineno}" if getattr(error, "lineno", None) else ""
             verdict.update(verdict="fail", wall_time_s=0.0, reasons=[
-                f"assessment.py is not valid Python: {type(error).__name__}{line}: "
-                f"{getattr(error, 'msg', str(error))}. Run `python assessment.py` yourself before submitting."])
+                f"{track.submission_file} is not valid Python: {type(error).__name__}{line}: "
+                f"{getattr(error, 'msg', str(error))}. Run `python {track.submission_file}` yourself before "
+                f"submitting."])
             return verdict
         sandbox = True
         problem = sandbox_module.sandbox_works()

@@ -13,26 +13,26 @@ import pytest
 from conftest import keras_only, subprocess_env
 from scalelab.grader import grading, report
 
-# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
-pytestmark = keras_only
-
 SUBMISSIONS = Path(__file__).parent / "submissions"
 TEST_TRACKS = SUBMISSIONS / "tracks.toml"
+# A class on each edition's track: (track, bob's honest submission, the file students submit).
+KERAS_CLASS = pytest.param(("fashion-mnist-test", "honest_small.py", "assessment.py"), marks=keras_only, id="keras")
+DDP_CLASS = pytest.param(("fashion-mnist-ddp-test", "ddp_small.py", "assessment_pytorch.py"), id="ddp")
 
 
-def make_class(course: Path) -> None:
+def make_class(course: Path, honest: str = "honest_small.py", name: str = "assessment.py") -> None:
     """alice: syntax error; bob: an honest submission; carol: submitted nothing; dave: an empty file."""
-    for student, source in (("alice", "syntax_error.py"), ("bob", "honest_small.py")):
+    for student, source in (("alice", "syntax_error.py"), ("bob", honest)):
         folder = course / "submitted" / student / "assessment"
         folder.mkdir(parents=True)
-        shutil.copyfile(SUBMISSIONS / source, folder / "assessment.py")
+        shutil.copyfile(SUBMISSIONS / source, folder / name)
     (course / "submitted" / "carol" / "assessment").mkdir(parents=True)
     (course / "submitted" / "dave").mkdir(parents=True)
-    (course / "submitted" / "dave" / "assessment.py").write_text("")
+    (course / "submitted" / "dave" / name).write_text("")
 
 
-def grade(course: Path, tmp_path: Path, *extra):
-    return subprocess.run([sys.executable, "-m", "scalelab.cli", "grade", str(course), "--track", "fashion-mnist-test",
+def grade(course: Path, tmp_path: Path, *extra, track: str = "fashion-mnist-test"):
+    return subprocess.run([sys.executable, "-m", "scalelab.cli", "grade", str(course), "--track", track,
                            "--track-file", str(TEST_TRACKS), "--parallel", "2", "--out", str(tmp_path / "graded"),
                            "--gradebook", str(tmp_path / "gradebook.db"), *extra],
                           capture_output=True, text=True, timeout=900,
@@ -50,15 +50,17 @@ def test_find_submissions_accepts_both_layouts(tmp_path):
 
 
 @pytest.mark.slow
-def test_grading_a_class_stores_csv_feedback_and_gradebook_and_resumes(tmp_path):
+@pytest.mark.parametrize("edition", [KERAS_CLASS, DDP_CLASS])
+def test_grading_a_class_stores_csv_feedback_and_gradebook_and_resumes(tmp_path, edition):
+    track, honest, name = edition
     course = tmp_path / "course"
-    make_class(course)
-    first = grade(course, tmp_path)
+    make_class(course, honest, name)
+    first = grade(course, tmp_path, track=track)
     assert first.returncode == 0, first.stdout + first.stderr
     rows = {row["student"]: row for row in csv.DictReader((tmp_path / "graded" / "grades.csv").open())}
     assert {s: rows[s]["verdict"] for s in rows} == {"alice": "fail", "bob": "pass", "carol": "fail", "dave": "fail"}
     assert {s: float(rows[s]["score"]) for s in rows} == {"alice": 0.0, "bob": 1.0, "carol": 0.0, "dave": 0.0}
-    assert "SyntaxError" in rows["alice"]["reasons"] and "no assessment.py was submitted" in rows["carol"]["reasons"]
+    assert "SyntaxError" in rows["alice"]["reasons"] and f"no {name} was submitted" in rows["carol"]["reasons"]
     assert "is empty" in rows["dave"]["reasons"]
 
     feedback = (tmp_path / "graded" / "bob" / "feedback.md").read_text()
@@ -74,20 +76,20 @@ def test_grading_a_class_stores_csv_feedback_and_gradebook_and_resumes(tmp_path)
     finally:
         gradebook.close()
 
-    again = grade(course, tmp_path)  # nothing changed: every verdict comes from the results database
+    again = grade(course, tmp_path, track=track)  # nothing changed: every verdict comes from the results database
     assert again.returncode == 0
     assert "bob                  pass     (already graded" in again.stdout
     # A changed file is graded again; --regrade grades again what did not change (alice alone, to stay quick).
-    alice = course / "submitted" / "alice" / "assessment" / "assessment.py"
+    alice = course / "submitted" / "alice" / "assessment" / name
     alice.write_text(alice.read_text() + "# changed\n")
     small_class = tmp_path / "small"
     (small_class / "alice").mkdir(parents=True)
-    shutil.copyfile(alice, small_class / "alice" / "assessment.py")
-    changed = grade(small_class, tmp_path)
-    assert "alice                fail     assessment.py is not valid Python" in changed.stdout
-    unchanged = grade(small_class, tmp_path)
+    shutil.copyfile(alice, small_class / "alice" / name)
+    changed = grade(small_class, tmp_path, track=track)
+    assert f"alice                fail     {name} is not valid Python" in changed.stdout
+    unchanged = grade(small_class, tmp_path, track=track)
     assert "alice                fail     (already graded" in unchanged.stdout
-    regraded = grade(small_class, tmp_path, "--regrade")
+    regraded = grade(small_class, tmp_path, "--regrade", track=track)
     assert "already graded" not in regraded.stdout and "alice" in regraded.stdout
 
 
