@@ -146,5 +146,7 @@ if args.weights_digest_dir is not None:
     # DDP: one file per rank (the one write every rank makes), so that the ranks' weights can be compared.
     (args.weights_digest_dir / f"weights_rank{rank}.json").write_text(json.dumps({
         "rank": rank, "world_size": world_size, "sha256": digest}))
-# DDP: leave the process group, so that every rank ends cleanly.
+# DDP: wait for every rank (rank 0 may still be saving), then leave the process group together: a rank that leaves
+# while another still works can abort as it exits (Gloo), failing the whole run.
+dist.barrier()
 dist.destroy_process_group()

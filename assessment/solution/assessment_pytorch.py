@@ -167,5 +167,7 @@ for epoch in range(args.epochs):
 save_model()
 if is_chief:
     print(f"saved {model_path}", flush=True)
-# DDP: leave the process group, so that every rank ends cleanly.
+# DDP: wait for every rank (rank 0 may still be saving), then leave the process group together: a rank that leaves
+# while another still works can abort as it exits (Gloo), failing the whole run.
+dist.barrier()
 dist.destroy_process_group()

@@ -98,5 +98,7 @@ if args.weights_dir is not None:
     np.savez(args.weights_dir / f"weights_rank{rank}.npz", *weights)
     (args.weights_dir / f"weights_rank{rank}.json").write_text(json.dumps({"rank": rank, "size": workers,
                                                                            "sha256": digest}))
-# DDP: leave the process group, so that every rank ends cleanly.
+# DDP: wait for every rank (rank 0 may still be saving), then leave the process group together: a rank that leaves
+# while another still works can abort as it exits (Gloo), failing the whole run.
+dist.barrier()
 dist.destroy_process_group()
