@@ -19,6 +19,9 @@ VENV_BIN = Path(sys.executable).parent
 # are skipped there with the reason, which the summary counts and names (`make test` runs pytest with -rs).
 HAS_TENSORFLOW = importlib.util.find_spec("tensorflow") is not None
 keras_only = pytest.mark.skipif(not HAS_TENSORFLOW, reason=KERAS_LEFT_OUT)
+# The installed edition's quick test track (tests/submissions/tracks.toml), for the tests of the service around the
+# grader: the PyTorch edition refuses a Keras track. Both have the same target and budget.
+EDITION_TEST_TRACK = "fashion-mnist-test" if HAS_TENSORFLOW else "fashion-mnist-ddp-test"
 
 
 def needs_tensorflow() -> None:

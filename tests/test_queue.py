@@ -19,15 +19,12 @@ import pytest
 
 from sqlalchemy import update
 
-from conftest import keras_only
+from conftest import EDITION_TEST_TRACK, keras_only
 from scalelab.grader import panel
 from scalelab.grader.contention import CONTENDED_SHARE
 from scalelab.grader.queue import (DONE, INTERRUPTED, QUEUED, RERUN_MACHINE_BUSY, RUNNING, AssessJob, AssessQueue,
                                    QueueFull, TooSoon, sqlite_url)
 from scalelab.grader.workers import GraderSettings, GradingWorkers, JobRetention
-
-# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
-pytestmark = keras_only
 
 FAST_SUBMISSION = Path(__file__).parent / "submissions" / "service" / "syntax_error_fast.py"
 TEST_TRACKS = Path(__file__).parent / "submissions" / "tracks.toml"
@@ -45,7 +42,7 @@ def queue(database):
     opened.close()
 
 
-def submit(queue: AssessQueue, student: str, job_dir: Path, max_queued: int = 100, track: str = "fashion-mnist-test"):
+def submit(queue: AssessQueue, student: str, job_dir: Path, max_queued: int = 100, track: str = EDITION_TEST_TRACK):
     job_dir.mkdir(parents=True, exist_ok=True)
     return queue.submit(student=student, track=track, backend="local", job_dir=job_dir,
                         submission_path=f"/course/{student}/assessment.py", submission_sha256="0" * 64,
@@ -129,7 +126,7 @@ def test_simultaneous_submits_from_separate_processes_keep_one_job_per_student(d
 
 
 def workers_for(queue: AssessQueue, slots: int = 1) -> GradingWorkers:
-    return GradingWorkers(queue, GraderSettings(track="fashion-mnist-test", track_file=str(TEST_TRACKS),
+    return GradingWorkers(queue, GraderSettings(track=EDITION_TEST_TRACK, track_file=str(TEST_TRACKS),
                                                 poll_interval_s=0.2), slots=slots)
 
 
@@ -299,7 +296,7 @@ def test_workers_keep_the_model_only_for_a_pass_and_write_private_logs(queue, tm
         job_dir.mkdir(parents=True)
         (job_dir / "assessment.py").write_text(source)
         jobs[student] = submit(queue, student, job_dir)[0]
-    workers = GradingWorkers(queue, GraderSettings(track="fashion-mnist-test", poll_interval_s=0.1,
+    workers = GradingWorkers(queue, GraderSettings(track=EDITION_TEST_TRACK, poll_interval_s=0.1,
                                                    command=[sys.executable, str(fake_grader)]), slots=1)
     workers.start()
     try:
@@ -329,7 +326,7 @@ def test_a_requeued_job_is_graded_from_scratch_and_its_verdict_says_why(queue, t
     mark_running(queue, job["id"], dead_pid())
     (job_dir / "grader").mkdir()
     (job_dir / "grader" / "progress.json").write_text('{"state": "running"}')  # no verdict: the run was cut off
-    workers = GradingWorkers(queue, GraderSettings(track="fashion-mnist-test", poll_interval_s=0.1,
+    workers = GradingWorkers(queue, GraderSettings(track=EDITION_TEST_TRACK, poll_interval_s=0.1,
                                                    command=[sys.executable, str(fake_grader)]), slots=1)
     workers.recover()
     grade_until_done(workers, queue, job["id"])
@@ -344,7 +341,7 @@ def test_a_clean_stop_requeues_its_running_job(queue, tmp_path):
     job_dir.mkdir(parents=True)
     (job_dir / "assessment.py").write_text("# sleeps\n")
     job, _ = submit(queue, "ana", job_dir)
-    workers = GradingWorkers(queue, GraderSettings(track="fashion-mnist-test", poll_interval_s=0.1,
+    workers = GradingWorkers(queue, GraderSettings(track=EDITION_TEST_TRACK, poll_interval_s=0.1,
                                                    command=[sys.executable, "-c", "import time; time.sleep(600)"]),
                              slots=1, server_name="the server")
     workers.start()
@@ -361,7 +358,9 @@ def test_a_clean_stop_requeues_its_running_job(queue, tmp_path):
 
 
 CPU_SPENDING_SUBMISSION = Path(__file__).parent / "submissions" / "service" / "spends_cpu_seconds.py"
-SHORT_TRACK = "fashion-mnist-short"  # the submission's CPU-seconds fit in its budget only on a quiet machine
+# The submission's CPU-seconds fit in its budget only on a quiet machine. A Keras track: the tests that run on it are
+# skipped, with the reason, where `make setup` installed the PyTorch edition alone.
+SHORT_TRACK = "fashion-mnist-short"
 SPINNERS_PER_CORE = 4
 BUSY_SENTENCE = re.compile(r"other work on the grading machine used (\d+) % of its CPU during your run")
 
@@ -388,6 +387,7 @@ def cpu_spending_job(queue: AssessQueue, tmp_path: Path, student: str) -> dict:
 
 
 @pytest.mark.slow
+@keras_only
 def test_a_run_starved_by_other_work_is_graded_again_first_and_its_rerun_on_a_quiet_machine_counts(
         queue, tmp_path, monkeypatch):
     """Crowded off the CPU, the first run runs out of time: the job goes back to the front of the queue, ahead of
@@ -430,6 +430,7 @@ def test_a_run_starved_by_other_work_is_graded_again_first_and_its_rerun_on_a_qu
 
 
 @pytest.mark.slow
+@keras_only
 def test_a_run_starved_at_every_try_ends_with_the_machine_too_busy_never_a_timeout(queue, tmp_path, monkeypatch):
     monkeypatch.setenv("SCALELAB_HOME", str(tmp_path / "home"))
     job = cpu_spending_job(queue, tmp_path, "ana")

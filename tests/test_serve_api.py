@@ -19,14 +19,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "submissions" / "service"))
-from conftest import keras_only  # noqa: E402
+from conftest import EDITION_TEST_TRACK  # noqa: E402
 from jupyter_process import TEST_TRACKS, JupyterServer  # noqa: E402
 
 from scalelab.grader import panel  # noqa: E402
 from scalelab.grader.queue import AssessQueue, sqlite_url  # noqa: E402
-
-# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
-pytestmark = keras_only
 
 FAST_SUBMISSION = Path(__file__).parent / "submissions" / "service" / "syntax_error_fast.py"
 TOKENS = {"alice-token": "alice", "bob-token": "bob"}
@@ -40,7 +37,7 @@ def server(tmp_path_factory):
         (root / student / "assessment").mkdir(parents=True)
     shutil.copy(FAST_SUBMISSION, root / "alice" / "assessment" / "assessment.py")
     jupyter = JupyterServer(root, home, user_tokens=TOKENS, service={
-        "slots": 1, "track": "fashion-mnist-test", "tracks_file": str(TEST_TRACKS), "max_queued": 5,
+        "slots": 1, "track": EDITION_TEST_TRACK, "tracks_file": str(TEST_TRACKS), "max_queued": 5,
         "submission_path": "{student}/assessment/assessment.py", "min_seconds_between_submissions": 3600}).start()
     yield jupyter
     jupyter.stop()
@@ -62,7 +59,7 @@ def test_the_board_answers_the_student_with_their_own_standing(server):
 def test_service_describes_the_track_and_the_student(server):
     info = server.api("GET", "service", token="alice-token").json()
     assert info["student"] == "alice"
-    assert info["track"] == "fashion-mnist-test" and info["slots"] == 1
+    assert info["track"] == EDITION_TEST_TRACK and info["slots"] == 1
     assert info["time_budget_s"] == 400 and info["target_accuracy"] == 0.70
     assert info["min_seconds_between_submissions"] == 3600
 
@@ -208,7 +205,7 @@ def _closed_port() -> int:
 def test_jupyter_user_identity_under_jupyters_token_login_is_refused_at_start(tmp_path):
     # Jupyter's stock identity provider (no user table): each token request would be a new anonymous student.
     refused = JupyterServer(tmp_path / "course", tmp_path / "home", service={
-        "track": "fashion-mnist-test", "tracks_file": str(TEST_TRACKS), "student_identity": "jupyter-user"})
+        "track": EDITION_TEST_TRACK, "tracks_file": str(TEST_TRACKS), "student_identity": "jupyter-user"})
     refused.root_dir.mkdir()
     refused.start(ready_path="api/status")
     try:

@@ -22,24 +22,26 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "submissions" / "service"))
-from conftest import keras_only  # noqa: E402
+from conftest import EDITION_TEST_TRACK  # noqa: E402
 from jupyter_process import PROJECT_ROOT, TEST_TRACKS, JupyterServer  # noqa: E402
 
-# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
-pytestmark = keras_only
+from scalelab.grader import spec  # noqa: E402
 
 ARTIFACTS = PROJECT_ROOT / "tests" / "artifacts"
 FAST_SUBMISSION = Path(__file__).parent / "submissions" / "service" / "syntax_error_fast.py"
+# The installed edition's test track, and the file its students submit.
+TRACK = EDITION_TEST_TRACK
+SUBMITTED = spec.load_track(TRACK, TEST_TRACKS).submission_file
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--headless=new", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-def course_copy(root: Path, submission: Path) -> None:
-    """The student's view: the real assessment notebook, and their assessment.py next to it."""
+def course_copy(root: Path, submission: Path, submitted: str = "assessment.py") -> None:
+    """The student's view: the real assessment notebook, and their script (``submitted``) next to it."""
     (root / "assessment").mkdir(parents=True)
     shutil.copy(PROJECT_ROOT / "assessment" / "assessment.ipynb", root / "assessment" / "assessment.ipynb")
-    shutil.copy(submission, root / "assessment" / "assessment.py")
+    shutil.copy(submission, root / "assessment" / submitted)
 
 
 def run_panel_cell(page):
@@ -98,9 +100,9 @@ def assess_in_browser(server: JupyterServer, screenshot: Path, verdict_timeout_s
 @pytest.mark.slow
 def test_click_assess_in_jupyterlab_shows_the_verdict(tmp_path):
     root, home = tmp_path / "course", tmp_path / "home"
-    course_copy(root, FAST_SUBMISSION)
+    course_copy(root, FAST_SUBMISSION, SUBMITTED)
     server = JupyterServer(root, home, app="lab", service={
-        "slots": 1, "track": "fashion-mnist-test", "tracks_file": str(TEST_TRACKS)}).start()
+        "slots": 1, "track": TRACK, "tracks_file": str(TEST_TRACKS)}).start()
     screenshot = ARTIFACTS / "assess_panel_verdict.png"
     try:
         seen = assess_in_browser(server, screenshot, verdict_timeout_s=90)
@@ -108,16 +110,15 @@ def test_click_assess_in_jupyterlab_shows_the_verdict(tmp_path):
         server.stop()
     print(f"\nbrowser: click-to-verdict {seen['click_to_verdict_s']:.1f} s; screenshot {screenshot}")
     assert "Verdict: FAIL" in seen["verdict_text"]
-    assert "not valid Python" in seen["verdict_text"]
+    assert f"{SUBMITTED} is not valid Python" in seen["verdict_text"]
     assert "done" in seen["status_text"]
-    assert "fail" in seen["history_text"] and "fashion-mnist-test" in seen["history_text"]
+    assert "fail" in seen["history_text"] and TRACK in seen["history_text"]
     assert "Traceback" not in json.dumps(seen)
     assert screenshot.stat().st_size > 10_000
 
 
 def measure_reference(track: str) -> dict:
     """Click-to-verdict of assessment/solution/assessment.py on a real track (assessment/tracks.toml)."""
-    from scalelab.grader import spec
 
     budget = spec.load_track(track).time_budget_s
     with tempfile.TemporaryDirectory(prefix="scalelab-click-to-verdict-") as scratch:

@@ -14,13 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent / "submissions" / "service"))
-from conftest import keras_only  # noqa: E402
+from conftest import EDITION_TEST_TRACK  # noqa: E402
 from jupyter_process import TEST_TRACKS, JupyterServer  # noqa: E402
 
 from scalelab.grader.queue import AssessQueue, sqlite_url  # noqa: E402
-
-# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
-pytestmark = keras_only
 
 FAST_SUBMISSION = Path(__file__).parent / "submissions" / "service" / "syntax_error_fast.py"
 STUDENTS = [f"student{number:02d}" for number in range(10)]
@@ -49,7 +46,7 @@ def test_ten_students_at_once_on_two_slots_get_ten_verdicts_in_fifo_order(tmp_pa
         expected_sha256[student] = hashlib.sha256(source.encode()).hexdigest()
     tokens = {f"{student}-token": student for student in STUDENTS}
     server = JupyterServer(root, home, user_tokens=tokens, service={
-        "slots": SLOTS, "track": "fashion-mnist-test", "tracks_file": str(TEST_TRACKS),
+        "slots": SLOTS, "track": EDITION_TEST_TRACK, "tracks_file": str(TEST_TRACKS),
         "submission_path": "{student}/assessment/assessment.py", "poll_interval_s": 0.5}).start()
     try:
         # Everyone clicks at once: the requests are released together from a barrier.

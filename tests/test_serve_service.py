@@ -15,20 +15,19 @@ import pytest
 from jupyter_server.auth.identity import IdentityProvider, PasswordIdentityProvider, User
 from traitlets.config import Config
 
-from conftest import keras_only
-from scalelab.grader import store
+from conftest import EDITION_TEST_TRACK
+from scalelab.grader import spec, store
 from scalelab.grader.serve import VERDICT_FIELDS_FOR_STUDENTS, AssessService, SubmissionProblem
-
-# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
-pytestmark = keras_only
 
 FAST_SUBMISSION = Path(__file__).parent / "submissions" / "service" / "syntax_error_fast.py"
 TEST_TRACKS = Path(__file__).parent / "submissions" / "tracks.toml"
+# The file the installed edition's students submit (assessment.py, or assessment_pytorch.py on the PyTorch edition).
+SUBMITTED = spec.load_track(EDITION_TEST_TRACK, TEST_TRACKS).submission_file
 
 
 def make_service(tmp_path, monkeypatch, identity_provider=None, **settings) -> AssessService:
     monkeypatch.setenv("SCALELAB_HOME", str(tmp_path / "home"))
-    config = Config({"AssessService": {"track": "fashion-mnist-test", "tracks_file": str(TEST_TRACKS), **settings}})
+    config = Config({"AssessService": {"track": EDITION_TEST_TRACK, "tracks_file": str(TEST_TRACKS), **settings}})
     return AssessService(str(tmp_path / "course"), identity_provider=identity_provider, config=config)
 
 
@@ -36,7 +35,7 @@ def student_folder(tmp_path, student: str, content: bytes | None = None) -> Path
     folder = tmp_path / "course" / student / "assessment"
     folder.mkdir(parents=True, exist_ok=True)
     if content is not None:
-        (folder / "assessment.py").write_bytes(content)
+        (folder / SUBMITTED).write_bytes(content)
     return folder
 
 
@@ -69,7 +68,7 @@ def test_slots_default_to_cores_divided_by_the_tracks_ranks(tmp_path, monkeypatc
 
 
 def test_a_full_queue_is_refused_with_a_sentence_and_leaves_no_job_directory(tmp_path, monkeypatch):
-    service = make_service(tmp_path, monkeypatch, max_queued=2, submission_path="{student}/assessment/assessment.py")
+    service = make_service(tmp_path, monkeypatch, max_queued=2, submission_path=f"{{student}}/assessment/{SUBMITTED}")
     for student in ("ann", "ben", "cy"):
         student_folder(tmp_path, student, FAST_SUBMISSION.read_bytes())
     service.submit("ann")
@@ -92,9 +91,9 @@ def test_a_repeated_submit_keeps_one_job_directory(tmp_path, monkeypatch):
 
 
 def test_submission_paths_cannot_leave_the_root_directory(tmp_path, monkeypatch):
-    service = make_service(tmp_path, monkeypatch, submission_path="{student}/assessment.py")
+    service = make_service(tmp_path, monkeypatch, submission_path=f"{{student}}/{SUBMITTED}")
     assert service.submission_file("../../etc").is_relative_to(tmp_path / "course")
-    escaping = make_service(tmp_path, monkeypatch, submission_path="../outside/assessment.py")
+    escaping = make_service(tmp_path, monkeypatch, submission_path=f"../outside/{SUBMITTED}")
     with pytest.raises(SubmissionProblem, match="outside the server's root directory"):
         escaping.submission_file("ann")
 
@@ -107,35 +106,35 @@ def test_binary_files_are_refused_with_a_sentence(tmp_path, monkeypatch):
     assert refused.value.status == 400
     assert list(service.jobs_root.iterdir()) == []
     shutil.rmtree(tmp_path / "course")
-    with pytest.raises(SubmissionProblem, match="There is no assessment/assessment.py to assess"):
+    with pytest.raises(SubmissionProblem, match=f"There is no assessment/{SUBMITTED} to assess"):
         service.submit("ann")
 
 
 def test_a_link_or_a_special_file_is_refused_with_a_sentence_and_nothing_is_copied(tmp_path, monkeypatch):
     # The server's account reads what a student may not (another student's file, the grader's state): a link
     # would have it copy that file and grade it as the student's.
-    service = make_service(tmp_path, monkeypatch, submission_path="{student}/assessment/assessment.py")
-    others = student_folder(tmp_path, "ben", FAST_SUBMISSION.read_bytes()) / "assessment.py"
+    service = make_service(tmp_path, monkeypatch, submission_path=f"{{student}}/assessment/{SUBMITTED}")
+    others = student_folder(tmp_path, "ben", FAST_SUBMISSION.read_bytes()) / SUBMITTED
     state = tmp_path / "grader-state.py"
     state.write_bytes(FAST_SUBMISSION.read_bytes())
-    (student_folder(tmp_path, "ann") / "assessment.py").symlink_to(others)
-    (student_folder(tmp_path, "dee") / "assessment.py").symlink_to(state)
+    (student_folder(tmp_path, "ann") / SUBMITTED).symlink_to(others)
+    (student_folder(tmp_path, "dee") / SUBMITTED).symlink_to(state)
     (tmp_path / "course" / "cy").mkdir()
     (tmp_path / "course" / "cy" / "assessment").symlink_to(others.parent, target_is_directory=True)
-    os.mkfifo(student_folder(tmp_path, "eve") / "assessment.py")
-    (student_folder(tmp_path, "fay") / "assessment.py").mkdir()
-    refusals = {"ann": "ann/assessment/assessment.py is a link; save your script as a plain file "
-                       "ann/assessment/assessment.py (not a link, nor in a linked folder) and click Assess again.",
-                "dee": "dee/assessment/assessment.py is a link; save your script as a plain file",
-                "cy": "cy/assessment is a link; save your script as a plain file cy/assessment/assessment.py",
-                "eve": "eve/assessment/assessment.py is not a plain file; save your script as a plain file",
-                "fay": "fay/assessment/assessment.py is not a plain file; save your script as a plain file"}
+    os.mkfifo(student_folder(tmp_path, "eve") / SUBMITTED)
+    (student_folder(tmp_path, "fay") / SUBMITTED).mkdir()
+    refusals = {"ann": f"ann/assessment/{SUBMITTED} is a link; save your script as a plain file "
+                       f"ann/assessment/{SUBMITTED} (not a link, nor in a linked folder) and click Assess again.",
+                "dee": f"dee/assessment/{SUBMITTED} is a link; save your script as a plain file",
+                "cy": f"cy/assessment is a link; save your script as a plain file cy/assessment/{SUBMITTED}",
+                "eve": f"eve/assessment/{SUBMITTED} is not a plain file; save your script as a plain file",
+                "fay": f"fay/assessment/{SUBMITTED} is not a plain file; save your script as a plain file"}
     for student, sentence in refusals.items():
         with pytest.raises(SubmissionProblem, match=re.escape(sentence)) as refused:
             service.submit(student)
         assert refused.value.status == 400
     assert list(service.jobs_root.iterdir()) == [] and service.queue.all_jobs() == []
-    with pytest.raises(SubmissionProblem, match="There is no gus/assessment/assessment.py to assess") as missing:
+    with pytest.raises(SubmissionProblem, match=f"There is no gus/assessment/{SUBMITTED} to assess") as missing:
         service.submit("gus")
     assert missing.value.status == 404
     assert service.submit("ben")[1], "a plain file is still taken"
@@ -186,7 +185,7 @@ def test_job_directories_the_queue_database_and_the_copied_file_are_private_to_t
 
 def test_submitting_prunes_the_students_oldest_job_directories_and_keeps_their_verdicts(tmp_path, monkeypatch):
     service = make_service(tmp_path, monkeypatch, keep_jobs_per_student=2, min_seconds_between_submissions=0,
-                           submission_path="{student}/assessment/assessment.py")
+                           submission_path=f"{{student}}/assessment/{SUBMITTED}")
     for student in ("ann", "ben"):
         student_folder(tmp_path, student, FAST_SUBMISSION.read_bytes())
     service.submit("ben")
