@@ -17,12 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import PROJECT_ROOT, keras_only
+from conftest import EDITION_TEST_TRACK, PROJECT_ROOT
 from scalelab.grader import assess_helper
 from scalelab.grader.sandbox import SANDBOX_UID_RANGE
-
-# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
-pytestmark = keras_only
 
 CALLER = pwd.getpwnam("nobody")
 SUBMISSIONS = PROJECT_ROOT / "tests" / "submissions"
@@ -76,7 +73,7 @@ def helper(*arguments: str) -> tuple[int, str]:
 def test_a_job_of_the_callers_is_graded_as_root_and_the_results_are_the_callers(scratch):
     job = callers_job(scratch)
     shutil.copyfile(TRACKS, scratch / "tracks.toml")
-    code, err = helper("--job", str(job), "--track", "fashion-mnist-test", "--track-file", str(scratch / "tracks.toml"))
+    code, err = helper("--job", str(job), "--track", EDITION_TEST_TRACK, "--track-file", str(scratch / "tracks.toml"))
     assert code == 1, err
     verdict = job / "grader" / "verdict.json"
     assert verdict.stat().st_uid == CALLER.pw_uid and "is not valid Python" in verdict.read_text()
@@ -93,7 +90,7 @@ def test_a_job_directory_that_is_not_the_callers_alone_is_refused(scratch, what)
     else:
         (scratch / "link").symlink_to(job)
         job = scratch / "link"
-    code, err = helper("--job", str(job), "--track", "fashion-mnist-test")
+    code, err = helper("--job", str(job), "--track", EDITION_TEST_TRACK)
     assert code == assess_helper.EXIT_BAD_ARGUMENTS, err
     assert not (scratch / "job" / "grader").exists()
 
@@ -101,7 +98,7 @@ def test_a_job_directory_that_is_not_the_callers_alone_is_refused(scratch, what)
 def test_a_submission_that_links_to_the_solution_is_refused_unread(scratch):
     job = callers_job(scratch, submission=None)
     (job / "assessment.py").symlink_to(SOLUTION)
-    code, err = helper("--job", str(job), "--track", "fashion-mnist-test")
+    code, err = helper("--job", str(job), "--track", EDITION_TEST_TRACK)
     assert code == assess_helper.EXIT_BAD_ARGUMENTS and "symbolic link" in err, err
     assert not (job / "grader").exists()
 
@@ -113,7 +110,7 @@ def test_root_reads_no_track_file_or_data_the_caller_could_not_read(scratch, arg
     secret_dir.mkdir(mode=0o700)
     shutil.copyfile(TRACKS, secret_dir / "tracks.toml")
     named = {"--track-file": str(secret_dir / "tracks.toml"), "--data": f"SCALELAB_FASHION_MNIST_DIR={secret_dir}"}
-    code, err = helper("--job", str(job), "--track", "fashion-mnist-test", argument, named[argument])
+    code, err = helper("--job", str(job), "--track", EDITION_TEST_TRACK, argument, named[argument])
     assert code == assess_helper.EXIT_BAD_ARGUMENTS and "may read" in err, err
     assert not (job / "grader").exists()
 
@@ -121,7 +118,7 @@ def test_root_reads_no_track_file_or_data_the_caller_could_not_read(scratch, arg
 def test_a_caller_that_closes_the_helpers_input_stops_the_run_and_gets_nothing_back(scratch):
     job = callers_job(scratch, SUBMISSIONS / "service" / "sleeps_then_fails.py")
     shutil.copyfile(TRACKS, scratch / "tracks.toml")
-    process = start_helper("--job", str(job), "--track", "fashion-mnist-test", "--track-file",
+    process = start_helper("--job", str(job), "--track", EDITION_TEST_TRACK, "--track-file",
                            str(scratch / "tracks.toml"))
     deadline = time.monotonic() + 120
     while not sandboxed_processes():  # the run has started, as a throw-away uid

@@ -4,13 +4,9 @@ and as one student sees it (their own time and rank; the others' names only wher
 import csv
 import io
 
-from conftest import keras_only
 from scalelab.grader import board, panel
 from scalelab.grader.service import classpage
 from scalelab.grader.spec import Track
-
-# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
-pytestmark = keras_only
 
 
 def job(job_id: int, student: str, verdict: str, time_to_accuracy_s=None, wall_time_s=80.0, state="done",

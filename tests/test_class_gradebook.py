@@ -18,15 +18,13 @@ import pytest
 from nbgrader.api import Gradebook
 from sqlalchemy.exc import SAWarning
 
-from conftest import PROJECT_ROOT, VENV_BIN, keras_only, subprocess_env
+from conftest import PROJECT_ROOT, VENV_BIN, subprocess_env
 from labtools import nbgrader
 
 from scalelab.grader.classroom import gradebook as class_gradebook
 from scalelab.grader.queue import DONE
 from scalelab.grader.service import classpage
 
-# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
-pytestmark = keras_only
 
 QUIZ = "quiz"
 COURSE_ID = "scalelab"

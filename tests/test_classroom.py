@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import keras_only
 from scalelab.grader.classroom import accounts
 from scalelab.grader.classroom.course import copy_course
-
-# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
-pytestmark = keras_only
 
 
 @pytest.mark.parametrize("name", ["alice", "bob_2", "x", "_svc", "a-b", "a" * 32])

@@ -13,14 +13,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import keras_only, leftover_processes, subprocess_env
-
-# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
-pytestmark = keras_only
+from conftest import (EDITION_HANG_SUBMISSION, EDITION_HANG_TRACK, EDITION_TEST_TRACK, HAS_TENSORFLOW,
+                      leftover_processes, subprocess_env)
 
 SCALELAB = [sys.executable, "-m", "scalelab.cli"]
 SUBMISSIONS = Path(__file__).parent / "submissions"
 TEST_TRACKS = SUBMISSIONS / "tracks.toml"
+# An honest submission for the installed edition's test track.
+HONEST = SUBMISSIONS / ("honest_small.py" if HAS_TENSORFLOW else "ddp_small.py")
 
 
 def scalelab(*args, env=None, timeout=300):
@@ -63,8 +63,8 @@ def test_unknown_track_exits_2_naming_the_known_tracks(tmp_path):
 
 def test_syntax_error_is_a_failing_submission_with_the_line_in_the_reasons(tmp_path):
     out = tmp_path / "out"
-    done = scalelab("assess", Path(__file__).parent / "submissions" / "syntax_error.py", "--json", "--out", out,
-                    "--track", "fashion-mnist-test", "--track-file", TEST_TRACKS,
+    done = scalelab("assess", SUBMISSIONS / "syntax_error.py", "--json", "--out", out,
+                    "--track", EDITION_TEST_TRACK, "--track-file", TEST_TRACKS,
                     env=subprocess_env(SCALELAB_HOME=str(tmp_path / "home")))
     assert done.returncode == 1, done.stderr
     verdict = json.loads(done.stdout)
@@ -78,9 +78,8 @@ def test_grader_failure_still_writes_an_error_verdict_and_exits_3(tmp_path):
     home = tmp_path / "home"
     home.write_text("not a directory")
     out = tmp_path / "out"
-    done = scalelab("assess", Path(__file__).parent / "submissions" / "honest_small.py", "--json", "--out", out,
-                    "--track", "fashion-mnist-test", "--track-file", TEST_TRACKS,
-                    env=subprocess_env(SCALELAB_HOME=str(home)))
+    done = scalelab("assess", HONEST, "--json", "--out", out, "--track", EDITION_TEST_TRACK,
+                    "--track-file", TEST_TRACKS, env=subprocess_env(SCALELAB_HOME=str(home)))
     assert done.returncode == 3, done.stderr
     printed = json.loads(done.stdout)
     written = json.loads((out / "verdict.json").read_text())
@@ -90,7 +89,8 @@ def test_grader_failure_still_writes_an_error_verdict_and_exits_3(tmp_path):
                 "ranks_seen", "allreduce_count", "track", "submission_sha256", "started_at", "finished_at",
                 "logs_dir", "environment"):
         assert key in written, key
-    assert written["environment"]["tensorflow"] == "2.15.1"
+    assert written["environment"]["tensorflow"] == ("2.15.1" if HAS_TENSORFLOW else None)
+    assert written["environment"]["torch"].startswith("2.13.0")  # both editions have PyTorch
     assert (out / "grader-error.log").read_text().startswith("Traceback")
     assert json.loads((out / "progress.json").read_text())["state"] == "done"
 
@@ -102,8 +102,8 @@ def test_missing_sandbox_refuses_unless_unsandboxed_is_allowed(tmp_path):
     env = subprocess_env(SCALELAB_HOME=str(tmp_path / "home"))
     env["PATH"] = f"{Path(sys.executable).parent}:{bin_dir}"
     out = tmp_path / "out"
-    done = scalelab("assess", Path(__file__).parent / "submissions" / "honest_small.py", "--json", "--out", out,
-                    "--track", "fashion-mnist-test", "--track-file", TEST_TRACKS, env=env)
+    done = scalelab("assess", HONEST, "--json", "--out", out, "--track", EDITION_TEST_TRACK,
+                    "--track-file", TEST_TRACKS, env=env)
     assert done.returncode == 3
     verdict = json.loads(done.stdout)
     assert "bubblewrap (bwrap) is not installed" in verdict["reasons"][0]
@@ -120,7 +120,8 @@ def test_gradebook_opens_when_the_venv_is_not_on_path(tmp_path, monkeypatch):
 
 
 def is_rank(process: psutil.Process) -> bool:
-    return process.cmdline()[1:] == ["assessment.py"]  # horovodrun starts each rank as `python assessment.py`
+    # horovodrun starts each rank as `python assessment.py`, torchrun as `python -u assessment.py`
+    return process.cmdline()[1:] in (["assessment.py"], ["-u", "assessment.py"])
 
 
 def still_running(processes: list[psutil.Process]) -> list[psutil.Process]:
@@ -156,8 +157,8 @@ def test_sigterm_stops_the_run_and_removes_its_job_directory(tmp_path):
     # The Assess service stops a grader with SIGTERM (server stop, recovery after a crash): the grader's own
     # clean-up must still run, or the run goes on unwatched and its job directory (up to 200 MiB) stays.
     home = tmp_path / "home"
-    grader = subprocess.Popen([*SCALELAB, "assess", str(SUBMISSIONS / "hang_allreduce.py"), "--json",
-                               "--out", str(tmp_path / "out"), "--track", "fashion-mnist-hang",
+    grader = subprocess.Popen([*SCALELAB, "assess", str(SUBMISSIONS / EDITION_HANG_SUBMISSION), "--json",
+                               "--out", str(tmp_path / "out"), "--track", EDITION_HANG_TRACK,
                                "--track-file", str(TEST_TRACKS)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=subprocess_env(SCALELAB_HOME=str(home)))

@@ -2,11 +2,7 @@
 
 from pathlib import Path
 
-from conftest import keras_only
 from scalelab.grader import ranklogs
-
-# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
-pytestmark = keras_only
 
 
 def test_rank_log_demux_splits_gloo_and_mpi_prefixes_and_caps_each_log(tmp_path):

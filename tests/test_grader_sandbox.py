@@ -6,14 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import keras_only
+from conftest import HAS_TENSORFLOW
 from scalelab.grader import launch
 from scalelab.grader import sandbox as sandbox_module
 
-# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
-pytestmark = keras_only
-
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+# What a graded run imports, on either edition: the venv's software must be visible in the sandbox.
+FRAMEWORK = "tensorflow" if HAS_TENSORFLOW else "torch"
 
 
 def make_job(tmp_path: Path, hidden, command, sandbox_uid=None) -> launch.JobSpec:
@@ -43,7 +42,8 @@ def test_sandbox_shows_the_job_and_the_software_but_not_secrets_or_other_jobs(tm
     uid = 61999 if os.geteuid() == 0 else None
     script = ("import os, sys; print(os.getuid()); "
               f"print(os.path.exists({str(secret_dir)!r})); print(os.path.exists({str(other_job / 'assessment.py')!r})); "
-              "open('written.txt', 'w').write('ok'); import tensorflow; print('software ok')")
+              "open('written.txt', 'w').write('ok'); "
+              f"import {FRAMEWORK}; print('software ok')")
     job = make_job(tmp_path, [], [sys.executable, "-c", script], sandbox_uid=uid)
     done = run_in_sandbox(job, tmp_path)
     assert done.returncode == 0, done.stderr

@@ -17,16 +17,18 @@ import pytest
 
 from scalelab import environment
 from scalelab.grader import launch, sandbox
-from conftest import VENV_BIN, keras_only, subprocess_env
-
-# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
-pytestmark = keras_only
+from conftest import HAS_TENSORFLOW, VENV_BIN, subprocess_env
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RULES = environment.OPENMPI_COLLECTIVE_RULES
 ALLREDUCE_ID = 2  # ALLREDUCE in Open MPI's coll_base_functions.h
 SWITCH_BYTES = 1 << 20
 COURSE_SETTINGS = environment.openmpi_settings({})
+# The two-rank scripts below allreduce numpy arrays through the installed edition's Horovod binding.
+if HAS_TENSORFLOW:
+    HOROVOD_IMPORTS = "import horovod.tensorflow as hvd\nimport tensorflow as tf\nas_tensor = tf.constant\n"
+else:
+    HOROVOD_IMPORTS = "import horovod.torch as hvd\nimport torch\nas_tensor = torch.from_numpy\n"
 
 
 def run_two_ranks_under_mpi(horovodrun: str, script: Path, settings: dict) -> subprocess.CompletedProcess:
@@ -147,14 +149,13 @@ def test_allreduces_around_the_switch_sum_exactly_under_the_rules(horovodrun, tm
     script.write_text(
         "import os\n"
         "import numpy as np\n"
-        "import horovod.tensorflow as hvd\n"
-        "import tensorflow as tf\n"
+        + HOROVOD_IMPORTS +
         "hvd.init()\n"
         f"assert os.environ['OMPI_MCA_coll_tuned_dynamic_rules_filename'] == {str(RULES)!r}\n"
         # Element counts below, at and above the switch, none a multiple of the 1 MiB segment.
         "for count in (262_143, 262_147, 1_310_719, 4_194_311):\n"
         "    mine = (np.arange(count) % 1000).astype(np.float32) * (hvd.rank() + 1)\n"
-        "    total = np.asarray(hvd.allreduce(tf.constant(mine), op=hvd.Sum, name=f'sum_{count}'))\n"
+        "    total = np.asarray(hvd.allreduce(as_tensor(mine), op=hvd.Sum, name=f'sum_{count}'))\n"
         "    expected = (np.arange(count) % 1000).astype(np.float32) * sum(range(1, hvd.size() + 1))\n"
         "    assert np.array_equal(total, expected), (count, np.flatnonzero(total != expected)[:5])\n"
         "    print(f'rank {hvd.rank()} count {count} exact', flush=True)\n")
@@ -173,12 +174,11 @@ def test_open_mpi_really_reads_the_rules_file(horovodrun, tmp_path):
     assert broken_rules.read_text() != RULES.read_text()
     script = tmp_path / "two_sizes.py"
     script.write_text(
-        "import horovod.tensorflow as hvd\n"
         "import numpy as np\n"
-        "import tensorflow as tf\n"
+        + HOROVOD_IMPORTS +
         "hvd.init()\n"
         "for name, count in (('small', 16_384), ('large', 524_288)):\n"
-        "    total = np.asarray(hvd.allreduce(tf.ones(count), op=hvd.Sum, name=name))\n"
+        "    total = np.asarray(hvd.allreduce(as_tensor(np.ones(count, np.float32)), op=hvd.Sum, name=name))\n"
         "    print(f'rank {hvd.rank()} {name} {total[0]:.0f}', flush=True)\n")
     finished = run_two_ranks_under_mpi(
         horovodrun, script, {**COURSE_SETTINGS, "OMPI_MCA_coll_tuned_dynamic_rules_filename": str(broken_rules)})

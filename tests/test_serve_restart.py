@@ -1,9 +1,10 @@
 """Restart safety: kill -9 the server with one job running and three queued, start it again, lose nothing.
 
-The running job is a submission that only sleeps (a real horovodrun in the real sandbox); the queued ones are
-fast. After the restart the running job's first grader and ranks must be gone, and the job graded again from
-scratch before the queued ones (its history and verdict saying why), then the queued jobs graded. Then a clean stop
-(SIGTERM) with a job running must put that job back in the queue, at the front, with its processes ended.
+The running job is a submission that only sleeps (a real horovodrun, or torchrun on the PyTorch edition, in the
+real sandbox); the queued ones are fast. After the restart the running job's first grader and ranks must be gone,
+and the job graded again from scratch before the queued ones (its history and verdict saying why), then the queued
+jobs graded. Then a clean stop (SIGTERM) with a job running must put that job back in the queue, at the front, with
+its processes ended.
 """
 
 from __future__ import annotations
@@ -17,17 +18,20 @@ import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "submissions" / "service"))
-from conftest import keras_only  # noqa: E402
+from conftest import EDITION_HANG_TRACK  # noqa: E402
 from jupyter_process import TEST_TRACKS, JupyterServer  # noqa: E402
 
+from scalelab.grader import spec  # noqa: E402
 from scalelab.grader.queue import AssessQueue, sqlite_url  # noqa: E402
 
 SERVICE_TESTS = Path(__file__).parent / "submissions" / "service"
 QUEUED_STUDENTS = ["queued1", "queued2", "queued3"]
 TOKENS = {f"{name}-token": name for name in ["sleeper", *QUEUED_STUDENTS]}
+# The file the installed edition's students submit (assessment.py, or assessment_pytorch.py on the PyTorch edition).
+SUBMITTED = spec.load_track(EDITION_HANG_TRACK, TEST_TRACKS).submission_file
+LAUNCHERS = ("horovodrun", "torchrun")
 
-# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
-pytestmark = [pytest.mark.slow, keras_only]
+pytestmark = pytest.mark.slow
 
 
 def _course(root: Path) -> None:
@@ -35,18 +39,18 @@ def _course(root: Path) -> None:
         folder = root / student / "assessment"
         folder.mkdir(parents=True)
         submission = "sleeps.py" if student == "sleeper" else "syntax_error_fast.py"
-        shutil.copy(SERVICE_TESTS / submission, folder / "assessment.py")
+        shutil.copy(SERVICE_TESTS / submission, folder / SUBMITTED)
 
 
 def _server(root: Path, home: Path) -> JupyterServer:
     return JupyterServer(root, home, user_tokens=TOKENS, service={
-        "slots": 1, "track": "fashion-mnist-hang", "tracks_file": str(TEST_TRACKS),
-        "submission_path": "{student}/assessment/assessment.py", "poll_interval_s": 0.5,
+        "slots": 1, "track": EDITION_HANG_TRACK, "tracks_file": str(TEST_TRACKS),
+        "submission_path": f"{{student}}/assessment/{SUBMITTED}", "poll_interval_s": 0.5,
         "min_seconds_between_submissions": 0})  # the sleeper submits twice, however fast the restart went
 
 
 def _wait_until_running_with_ranks(server: JupyterServer, job_id: int, timeout_s: float = 90) -> psutil.Process:
-    """The job's grader process, once horovodrun runs under it (so the kill lands mid-run)."""
+    """The job's grader process, once its launcher runs under it (so the kill lands mid-run)."""
     queue = AssessQueue(sqlite_url(server.database))
     deadline = time.monotonic() + timeout_s
     try:
@@ -54,12 +58,13 @@ def _wait_until_running_with_ranks(server: JupyterServer, job_id: int, timeout_s
             job = queue.get(job_id)
             if job["state"] == "running" and job["grader_pid"]:
                 grader = psutil.Process(job["grader_pid"])
-                if any("horovodrun" in " ".join(child.cmdline()) for child in grader.children(recursive=True)):
+                commands = [" ".join(child.cmdline()) for child in grader.children(recursive=True)]
+                if any(launcher in command for command in commands for launcher in LAUNCHERS):
                     return grader
             time.sleep(0.3)
     finally:
         queue.close()
-    raise AssertionError(f"job {job_id} never reached horovodrun:\n{server.log_tail()}")
+    raise AssertionError(f"job {job_id} never reached its launcher:\n{server.log_tail()}")
 
 
 def test_kill_9_mid_queue_then_restart_loses_nothing_and_passes_nothing(tmp_path):
