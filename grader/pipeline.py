@@ -46,6 +46,8 @@ def paths_to_hide(out_dir: Path, database: Path | None, extra=()) -> list[Path]:
 
 
 FILE_IN_TRACEBACK = re.compile(r'File "([^"]+)"')
+# What a rank raises when another rank failed first.
+FAILURE_ECHOES = ("Horovod has been shut down", "Connection closed by peer", "Connection reset by peer")
 
 
 def student_facing(text: str, job_dir: Path) -> str:
@@ -61,9 +63,10 @@ def student_facing(text: str, job_dir: Path) -> str:
 
 def _rank_failure_reasons(run: launch.RunResult, job_dir: Path, launcher: str = "horovodrun") -> list[str]:
     reasons = [f"the run failed: {launcher} exited with status {run.exit_code} after {run.wall_time_s:.0f} s."]
-    # The rank that failed first comes first: the others only report that Horovod shut down because of it.
+    # The rank that failed first comes first: the others only report that Horovod shut down because of it, or
+    # (Gloo under DDP) that their peer closed the connection.
     def consequence(item):
-        return "Horovod has been shut down" in item[1], item[0]
+        return any(echo in item[1] for echo in FAILURE_ECHOES), item[0]
     for rank, text in sorted(run.rank_tracebacks.items(), key=consequence)[:2]:
         text = student_facing(text, job_dir)
         last_line = text.strip().splitlines()[-1] if text.strip() else ""

@@ -2,7 +2,8 @@
 
 horovodrun prefixes each whole line of a rank with ``[0]<stdout>:`` under Gloo; Open MPI tags each chunk it reads
 from a rank with ``[1,0]<stdout>:``, also in mid-line: ``[1,1]<stderr>:RuntimeError[1,1]<stderr>:: ...``; torchrun
-(``--tee 3``) prefixes each line of a rank, stdout and stderr alike, with ``[default0]:``.
+(``--tee 3``) prefixes each line of a rank, stdout and stderr alike, with ``[default0]:``, and PyTorch's own
+exception hook, once a process group is up, prints each line of an uncaught exception as ``[rank0]: ...``.
 Memory stays bounded whatever a rank prints: lines are cut at ``LINE_CAP_BYTES``, each log stops at its cap, and
 only a bounded tail of each rank is kept (for its traceback).
 """
@@ -21,6 +22,7 @@ RANK_TAG = re.compile(rb"\[(?:\d+,)?(\d+)\]<(stdout|stderr)>:|\[default(\d+)\]:"
 MPI_TAG = re.compile(rb"\[\d+,(\d+)\]<(stdout|stderr)>:")
 EPOCH_LINE = re.compile(r"\bepoch (\d+)/(\d+)")
 ACCURACY_IN_LINE = re.compile(r"\b(val_accuracy|accuracy)[ =:]+([0-9]*\.?[0-9]+)")
+TORCH_EXCEPTION_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 
 
 class CappedLog:
@@ -127,7 +129,7 @@ class RankLogDemux:
         """The last Python traceback (or fatal error) of each rank, as the rank printed it."""
         found = {}
         for rank, tail in self.tails.items():
-            lines = list(tail)
+            lines = [TORCH_EXCEPTION_PREFIX.sub("", line, count=1) for line in tail]
             starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
             if starts:
                 block = lines[starts[-1]:]

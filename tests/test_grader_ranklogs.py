@@ -69,3 +69,25 @@ def test_torchrun_tags_split_each_ranks_lines_and_tracebacks(tmp_path):
     assert "OMP_NUM_THREADS" in Path(launcher).read_text()
     assert (demux.epochs_seen, demux.latest_accuracy) == (2, 0.42)
     assert demux.tracebacks()[1].splitlines()[-1] == "ValueError: bad shape"
+
+
+def test_a_ddp_ranks_traceback_is_found_under_pytorchs_rank_prefix(tmp_path):
+    # As torchrun passed on a DDP rank's crash: once a process group is up, PyTorch's exception hook prints each
+    # line of the uncaught exception as "[rank1]: ...", inside torchrun's own "[default1]:" tag.
+    demux = ranklogs.RankLogDemux(tmp_path)
+    for line in (b"[default1]:[rank1]: Traceback (most recent call last):\n",
+                 b'[default1]:[rank1]:   File "assessment.py", line 8, in <module>\n',
+                 b'[default1]:[rank1]:     raise RuntimeError("rank one failed on purpose")\n',
+                 b"[default1]:[rank1]: RuntimeError: rank one failed on purpose\n",
+                 b"[default0]:[rank0]: Traceback (most recent call last):\n",
+                 b'[default0]:[rank0]:   File "assessment.py", line 9, in <module>\n',
+                 b"[default0]:[rank0]: RuntimeError: Connection closed by peer\n"):
+        demux.feed_line(line)
+    ranks, _launcher, _truncated = demux.close()
+    crashed = demux.tracebacks()[1].splitlines()
+    assert crashed[0] == "Traceback (most recent call last):"
+    assert crashed[2] == '    raise RuntimeError("rank one failed on purpose")'
+    assert crashed[-1] == "RuntimeError: rank one failed on purpose"
+    assert demux.tracebacks()[0].splitlines()[-1] == "RuntimeError: Connection closed by peer"
+    # The rank's log keeps what it printed.
+    assert Path(ranks[1]).read_text().splitlines()[-1] == "[rank1]: RuntimeError: rank one failed on purpose"

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HAS_TENSORFLOW, PROJECT_ROOT, keras_only, leftover_processes, subprocess_env
+from conftest import (EDITION_HANG_SUBMISSION, EDITION_HANG_TRACK, HAS_TENSORFLOW, PROJECT_ROOT, keras_only,
+                      leftover_processes, subprocess_env)
 from scalelab.grader import launch, slurm, slurm_runner, spec
 
 SUBMISSIONS = Path(__file__).parent / "submissions"
@@ -134,9 +135,8 @@ def test_serial_baseline_fails_through_slurm(tmp_path, slurm_cluster):
     assert verdict["allreduce_count"] == 0
 
 
-@keras_only
 def test_hang_times_out_is_scancelled_and_leaves_nothing(tmp_path, slurm_cluster):
-    code, verdict, took = assess_through_slurm(tmp_path, SUBMISSIONS / "hang_allreduce.py", "fashion-mnist-hang")
+    code, verdict, took = assess_through_slurm(tmp_path, SUBMISSIONS / EDITION_HANG_SUBMISSION, EDITION_HANG_TRACK)
     assert (code, verdict["verdict"]) == (1, "timeout"), verdict["reasons"]
     assert "time budget" in verdict["reasons"][0]
     # The grader's scancel ended it (the runner's own watch waits longer), and queue time did not count.
