@@ -17,10 +17,9 @@ import socket
 import time
 from pathlib import Path
 
-import horovod.tensorflow as hvd
 import numpy as np
 
-from scalelab.allreduce_timing import barrier, time_allreduce
+from scalelab.allreduce_timing import barrier, hvd, time_allreduce  # hvd: the installed edition's binding
 from scalelab.comm import bus_bandwidth
 from scalelab.runtime import configure_threads
 

@@ -35,6 +35,9 @@ STAGE_FIGURES = {"bandwidth": ("P6",), "training": ("P1", "P2"), "training-torch
 STAGE_DETAILS = {"bandwidth": ("allreduce", "allreduce_bound"), "training": ("training", "batch_sweep"),
                  "training-torch": ("training_torch",), "grader": ("grader_overhead",), "class": ("class_grading",),
                  "assessment": ()}
+# Stages that measure the Keras course (its scripts, honest_small.py, the Keras reference): not run where TensorFlow
+# is not installed (the PyTorch edition), their figures "not measured" with the reason.
+KERAS_STAGES = ("training", "grader", "class", "assessment")
 STAGE_PLOTS = {"bandwidth": ("allreduce_bandwidth.png",), "training": ("images_per_s_vs_batch.png",),
                "training-torch": (), "grader": (), "class": ("class_grading.png",), "assessment": ()}
 
@@ -104,8 +107,15 @@ def main(argv=None) -> int:
         if kept_here:
             notes.append(f"kept from the run of {previous['finished_at']} ({previous_file}): {', '.join(kept_here)}")
 
+    keras_stages_left_out = []
+
     def stage(name, body):
         if name not in stages:
+            return
+        if name in KERAS_STAGES and environment.tensorflow_version() is None:
+            for figure_id in STAGE_FIGURES[name]:
+                figures[figure_id] = not_measured(environment.KERAS_LEFT_OUT)
+            keras_stages_left_out.append(name)
             return
         print(f"[{name}]", flush=True)
         stage_started = time.perf_counter()
@@ -120,6 +130,8 @@ def main(argv=None) -> int:
     def run_bandwidth():
         documents = []
         for variant in config["variants"]:
+            if bandwidth.VARIANTS[variant][1].get("TF_CPU_ALLOCATOR_USE_BFC") and not environment.tensorflow_version():
+                continue  # TensorFlow's allocator: nothing to compare where TensorFlow is not installed
             document = bandwidth.measure(variant, logs, sizes=config["sizes"], repeats=config["allreduce_repeats"])
             documents.append(document)
             ratio = bandwidth.p6_ratio(document)
@@ -197,6 +209,8 @@ def main(argv=None) -> int:
     stage("grader", run_grader)
     stage("class", run_class)
     stage("assessment", run_assessment)
+    if keras_stages_left_out:
+        notes.append(f"not run: {', '.join(keras_stages_left_out)}: {environment.KERAS_LEFT_OUT}")
     calibration_dir = args.calibration or store.scalelab_home() / "calibration" / "cifar10-cpu"
     try:
         details["time_to_accuracy"] = time_to_accuracy.read_calibration(calibration_dir)

@@ -4,20 +4,35 @@ A naive timing loop measures the wrong thing on shared cores: the faster rank's 
 the slower rank's previous iteration. So the ranks meet at a barrier before each timed allreduce, the tensor
 is made once outside the timing, and the first allreduces of each size (buffers, Horovod's response cache)
 are not timed. Call after ``hvd.init()``, on every rank, with the same arguments.
+
+It times Horovod's TensorFlow binding where TensorFlow is installed (what the Keras labs use) and its PyTorch
+binding in the PyTorch edition; ``hvd`` is the binding it uses.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
-import horovod.tensorflow as hvd
 import numpy as np
-import tensorflow as tf
+
+if importlib.util.find_spec("tensorflow") is not None:
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    def _ones(count: int):
+        return tf.ones(count, dtype=tf.float32)
+else:
+    import horovod.torch as hvd
+    import torch
+
+    def _ones(count: int):
+        return torch.ones(count, dtype=torch.float32)
 
 
 def barrier(tag: str) -> None:
     """Return once every rank got here: a one-element allreduce every rank must join (``tag`` names it)."""
-    hvd.allreduce(tf.zeros(1), op=hvd.Sum, name=f"barrier_{tag}").numpy()
+    np.asarray(hvd.allreduce(_ones(1), op=hvd.Sum, name=f"barrier_{tag}"))
 
 
 def time_allreduce(message_bytes: int, repeats: int, warmup: int = 2) -> list[float]:
@@ -28,7 +43,7 @@ def time_allreduce(message_bytes: int, repeats: int, warmup: int = 2) -> list[fl
     """
     if message_bytes < 4 or repeats < 1 or warmup < 0:
         raise ValueError("need message_bytes >= 4, repeats >= 1 and warmup >= 0")
-    tensor = tf.ones(message_bytes // 4, dtype=tf.float32)
+    tensor = _ones(message_bytes // 4)
     samples = []
     for repeat in range(warmup + repeats):
         barrier(f"{message_bytes}_{repeat}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 
@@ -17,12 +18,18 @@ def configure_threads(ranks_on_this_host: int = 1) -> int:
     """Give each rank an equal share of the cores so ranks do not oversubscribe them.
 
     TensorFlow defaults to one intra-op thread per core in every process; with two ranks on two cores
-    that is four busy threads fighting over two cores. Must run before TensorFlow executes any op.
+    that is four busy threads fighting over two cores. Must run before TensorFlow executes any op. Where
+    TensorFlow is not installed (the PyTorch edition) it sets PyTorch's intra-op threads instead.
     Returns the intra-op thread count chosen.
     """
+    threads = max(1, usable_cores() // max(1, ranks_on_this_host))
+    if importlib.util.find_spec("tensorflow") is None:
+        import torch
+
+        torch.set_num_threads(threads)
+        return threads
     import tensorflow as tf
 
-    threads = max(1, usable_cores() // max(1, ranks_on_this_host))
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(1 if ranks_on_this_host > 1 else 2)
     return threads
