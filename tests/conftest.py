@@ -25,6 +25,8 @@ EDITION_TEST_TRACK = "fashion-mnist-test" if HAS_TENSORFLOW else "fashion-mnist-
 # Its track with a 25 s budget, and a submission that hangs in its first allreduce until the budget ends.
 EDITION_HANG_TRACK = "fashion-mnist-hang" if HAS_TENSORFLOW else "fashion-mnist-ddp-hang"
 EDITION_HANG_SUBMISSION = "hang_allreduce.py" if HAS_TENSORFLOW else "hang_allreduce_ddp.py"
+# A small honest submission for its test track: it reaches the target in a minute or so.
+EDITION_HONEST_SUBMISSION = "honest_small.py" if HAS_TENSORFLOW else "ddp_small.py"
 
 
 def needs_tensorflow() -> None:

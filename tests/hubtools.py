@@ -26,7 +26,7 @@ import psutil
 import pytest
 import requests
 
-from conftest import HAS_TENSORFLOW, PROJECT_ROOT
+from conftest import EDITION_TEST_TRACK, PROJECT_ROOT
 
 from scalelab.grader.classroom import server_limits
 
@@ -35,7 +35,7 @@ SCALELAB = str(HUB_VENV / "bin" / "scalelab")
 SUBMISSIONS = PROJECT_ROOT / "tests" / "submissions"
 TEST_TRACKS = SUBMISSIONS / "tracks.toml"
 # The Keras test track, or the DDP one on the PyTorch edition (no TensorFlow), which refuses a Keras track.
-TEST_TRACK = "fashion-mnist-test" if HAS_TENSORFLOW else "fashion-mnist-ddp-test"
+TEST_TRACK = EDITION_TEST_TRACK
 # A syntax error fails in seconds without a launch; the other keeps a job running for a minute, then fails.
 FAST_SUBMISSION = SUBMISSIONS / "service" / "syntax_error_fast.py"
 SLEEPING_SUBMISSION = SUBMISSIONS / "service" / "sleeps_then_fails.py"

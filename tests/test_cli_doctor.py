@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 
-from conftest import VENV_BIN, keras_only, subprocess_env
-from scalelab.environment import OPENMPI_COLLECTIVE_RULES, openmpi_settings
+from conftest import HAS_TENSORFLOW, VENV_BIN, subprocess_env
+from scalelab.environment import KERAS_LEFT_OUT, OPENMPI_COLLECTIVE_RULES, openmpi_settings
 
 
 def _doctor(**env):
@@ -13,15 +14,20 @@ def _doctor(**env):
                           env=subprocess_env(**{**openmpi_settings({}), **env}))
 
 
-@keras_only
 def test_doctor_reports_the_pinned_stack_and_horovod_build(cifar10_dir, tmp_path):
     result = _doctor(SCALELAB_CIFAR10_DIR=str(cifar10_dir), KERAS_HOME=str(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout.splitlines()
-    assert "tensorflow      2.15.1" in out
-    assert "torch           2.13.0+cpu" in out
+    if HAS_TENSORFLOW:
+        assert "tensorflow      2.15.1" in out
+        assert "torch           2.13.0+cpu" in out
+        assert "horovod build   TensorFlow yes  PyTorch yes  MPI yes  Gloo yes  NCCL no" in out
+    else:  # the PyTorch edition: PyPI's default build of torch where PyTorch's CPU index is out of reach
+        assert f"edition         PyTorch only: {KERAS_LEFT_OUT}" in out
+        assert "tensorflow      not installed" in out
+        assert any(re.fullmatch(r"torch           2\.13\.0(\+cpu)?", line) for line in out), out
+        assert "horovod build   TensorFlow no  PyTorch yes  MPI yes  Gloo yes  NCCL no" in out
     assert "horovod         0.28.1+scalelab.2" in out  # the build with containers/patches/ applied
-    assert "horovod build   TensorFlow yes  PyTorch yes  MPI yes  Gloo yes  NCCL no" in out
     assert "Open MPI" in result.stdout
     assert f"mpi rules       {OPENMPI_COLLECTIVE_RULES}" in out
     assert f"data cifar10    {cifar10_dir}/cifar-10-batches-py" in result.stdout
@@ -70,6 +76,28 @@ def test_doctor_on_the_pytorch_edition_says_what_it_leaves_out_and_asks_for_no_t
     assert f"edition         PyTorch only: {environment.KERAS_LEFT_OUT}" in out.splitlines()
     assert "tensorflow      not installed" in out.splitlines()
     assert not any("TensorFlow" in line for line in err.splitlines()), err
+
+
+def test_the_pytorch_edition_warns_of_no_keras_track_it_could_neither_grade_nor_recalibrate(monkeypatch):
+    from scalelab import cli, environment
+    from scalelab.grader import grading, spec
+
+    # A machine unlike every calibrated track's: each calibrated track is worth a warning, unless it is left out.
+    monkeypatch.setattr(grading, "machine_facts", lambda: {"cpu_model": "no such CPU", "cpus": 1024, "gpus": []})
+    tracks = spec.load_tracks()
+    calibrated = {name for name, track in tracks.items()
+                  if grading.machine_differences(track, grading.machine_facts())}
+    keras = {name for name in calibrated if tracks[name].framework == "keras"}
+    assert keras and calibrated - keras, "the track file no longer has calibrated tracks of both frameworks"
+
+    def warned() -> set[str]:
+        return {re.match(r"track (\S+) ", line).group(1) for line in cli.track_warnings()}
+
+    monkeypatch.setattr(environment, "tensorflow_version", lambda: "2.15.1")
+    assert warned() == calibrated
+    monkeypatch.setattr(environment, "tensorflow_version", lambda: None)
+    assert environment.edition() == "pytorch"
+    assert warned() == calibrated - keras
 
 
 def test_doctor_without_either_framework_says_to_run_make_setup(monkeypatch, capsys):

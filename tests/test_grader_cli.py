@@ -13,14 +13,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import (EDITION_HANG_SUBMISSION, EDITION_HANG_TRACK, EDITION_TEST_TRACK, HAS_TENSORFLOW,
-                      leftover_processes, subprocess_env)
+from conftest import (EDITION_HANG_SUBMISSION, EDITION_HANG_TRACK, EDITION_HONEST_SUBMISSION, EDITION_TEST_TRACK,
+                      HAS_TENSORFLOW, leftover_processes, subprocess_env)
 
 SCALELAB = [sys.executable, "-m", "scalelab.cli"]
 SUBMISSIONS = Path(__file__).parent / "submissions"
 TEST_TRACKS = SUBMISSIONS / "tracks.toml"
-# An honest submission for the installed edition's test track.
-HONEST = SUBMISSIONS / ("honest_small.py" if HAS_TENSORFLOW else "ddp_small.py")
+HONEST = SUBMISSIONS / EDITION_HONEST_SUBMISSION
 
 
 def scalelab(*args, env=None, timeout=300):

@@ -2,10 +2,11 @@
 Playwright driving Debian's Chromium.
 
 Students A and B log in through the Hub's form in browsers of their own, the Hub spawns their JupyterLab, each saves
-a failing assessment.py (the quick syntax error) through their server's contents API, runs the Assess panel of
-~/scalelab/assessment/assessment.ipynb and clicks Assess, both at once; each sees FAIL. Code typed into A's notebook
-then tries the service's state, the held-out split and B's home, and asks the service for B's history. The
-instructor logs in, opens the class page through the Hub's OAuth and downloads its CSV.
+a failing script (the quick syntax error, as the test track's assessment.py or assessment_pytorch.py) through their
+server's contents API, runs the Assess panel of ~/scalelab/assessment/assessment.ipynb and clicks Assess, both at
+once; each sees FAIL. Code typed into A's notebook then tries the service's state, the held-out split and B's home,
+and asks the service for B's history. The instructor logs in, opens the class page through the Hub's OAuth and
+downloads its CSV.
 
 Screenshots and the figures (spawn and click-to-verdict seconds, resident memory of the Hub, its proxy, the service
 and each student's server) are kept in tests/artifacts/; `-s` prints the figures.
@@ -23,11 +24,9 @@ import psutil
 import pytest
 
 from hubtools import FAST_SUBMISSION, HUB_VENV, TEST_TRACK, processes_of, running_hub
-from conftest import keras_only
-from test_serve_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, run_panel_cell
+from test_serve_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, SUBMITTED, run_panel_cell
 
-# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700), keras_only]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
 
 FIGURES = ARTIFACTS / "hub-figures.json"
 VIEWPORT = {"width": 1300, "height": 1400}
@@ -172,7 +171,7 @@ def test_two_students_assess_at_once_in_their_browsers_and_the_instructor_sees_b
                 page = pages[role] = context.new_page()
                 spawn_s[role] = log_in(page, hub, name)
                 assert f"/user/{name}/lab/tree/scalelab" in page.url, page.url  # the Hub's default_url: the course
-                save_as_the_student(context, hub, name, "scalelab/assessment/assessment.py", submission)
+                save_as_the_student(context, hub, name, f"scalelab/assessment/{SUBMITTED}", submission)
                 page.goto(f"{hub.url}/user/{name}/lab/tree/scalelab/assessment/assessment.ipynb")
                 panel = panels[role] = run_panel_cell(page)
                 expect(panel.locator(".scalelab-status")).to_contain_text("Not assessed yet", timeout=60_000)

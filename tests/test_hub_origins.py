@@ -26,13 +26,12 @@ import psutil
 import pytest
 import requests
 
-from conftest import PROJECT_ROOT, keras_only
+from conftest import PROJECT_ROOT
 from hubtools import SUBMISSIONS, free_port, running_hub
 from scalelab.grader.classroom import server_limits
 from test_serve_browser import CHROMIUM, CHROMIUM_ARGS
 
-# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), keras_only]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 DOMAIN = "class.localhost"
 SERVICE_HOST = f"scalelab--service.{DOMAIN}"

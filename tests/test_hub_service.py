@@ -25,15 +25,18 @@ import psutil
 import pytest
 import requests
 
-from hubtools import FAST_SUBMISSION, SLEEPING_SUBMISSION, SUBMISSIONS, free_port, run, running_hub
+from hubtools import (FAST_SUBMISSION, SLEEPING_SUBMISSION, SUBMISSIONS, TEST_TRACK, TEST_TRACKS, free_port, run,
+                      running_hub)
 
-from conftest import keras_only
-from scalelab.grader import assess_helper, launch, panel, sandbox
+from conftest import EDITION_HONEST_SUBMISSION
+from scalelab.grader import assess_helper, launch, panel, sandbox, spec
 from scalelab.grader.pipeline import SUBMISSION_SIZE_LIMIT_BYTES
 from scalelab.grader.serve import JOB_FIELDS_FOR_STUDENTS, VERDICT_FIELDS_FOR_STUDENTS
 
-# The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), keras_only]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# The service grades the installed edition's test track: the student's script and the saved model are named after
+# its framework.
+GRADED = spec.load_track(TEST_TRACK, TEST_TRACKS)
 
 # What a student sees of a job: the single-user service's public view, field for field.
 JOB_VIEW_FIELDS = {*JOB_FIELDS_FOR_STUDENTS, "time_budget_s", "position", "progress", "progress_history", "verdict"}
@@ -69,7 +72,7 @@ def test_the_service_runs_as_scalelab_with_its_state_private_to_it(hub):
 def test_a_submission_sent_as_content_gets_the_same_verdict_json_as_the_single_user_service(hub):
     student = hub.students["A"]
     info = hub.api("GET", "service", hub.tokens[student]).json()
-    assert (info["student"], info["track"]) == (student, "fashion-mnist-test")
+    assert (info["student"], info["track"]) == (student, TEST_TRACK)
     answer = hub.submit(student, FAST_SUBMISSION.read_text())
     assert answer.status_code == 201, answer.text
     submitted = answer.json()
@@ -135,7 +138,8 @@ def test_an_oversized_or_non_utf8_script_is_refused_with_a_sentence_and_queues_n
     too_big = b"#" * (SUBMISSION_SIZE_LIMIT_BYTES + 1)
     raw = hub.api("POST", "assessments", token, data=too_big, headers={"Content-Type": "text/x-python"})
     assert raw.status_code == 413 and f"over the {SUBMISSION_SIZE_LIMIT_BYTES} byte limit" in raw.json()["message"]
-    as_json = hub.api("POST", "assessments", token, json={"source": too_big.decode(), "filename": "assessment.py"})
+    as_json = hub.api("POST", "assessments", token,
+                      json={"source": too_big.decode(), "filename": GRADED.submission_file})
     assert as_json.status_code == 413 and "byte limit" in as_json.json()["message"]
     latin1 = "print('caf\u00e9')\n".encode("latin-1")
     raw = hub.api("POST", "assessments", token, data=latin1, headers={"Content-Type": "text/x-python"})
@@ -258,7 +262,7 @@ def test_a_graded_run_cannot_read_the_service_state_and_its_verdict_still_arrive
 
 def test_an_honest_submission_passes_with_the_held_out_accuracy_measured_and_its_model_kept(hub):
     student, scalelab = hub.students["B"], pwd.getpwnam("scalelab")
-    source = (SUBMISSIONS / "honest_small.py").read_text()
+    source = (SUBMISSIONS / EDITION_HONEST_SUBMISSION).read_text()
     answer = hub.submit(student, source)
     assert answer.status_code == 201, answer.text
     verdict = hub.wait_for_job(student, answer.json()["job"]["id"])["verdict"]
@@ -266,7 +270,7 @@ def test_an_honest_submission_passes_with_the_held_out_accuracy_measured_and_its
     assert verdict["heldout_accuracy"] >= verdict["target_accuracy"]
     [job_dir] = [path.parent for path in (hub.state / "assess" / "jobs").glob("*/assessment.py")
                  if path.read_text() == source]
-    model = job_dir / "grader" / "model.keras"
+    model = job_dir / "grader" / GRADED.model_file
     assert model.stat().st_uid == scalelab.pw_uid and model.stat().st_size > 0
     # The held-out split stays out of every other account's reach: the state is the service's alone.
     assert stat.S_IMODE(hub.state.stat().st_mode) == 0o700
@@ -334,7 +338,7 @@ def kernel_of(monkeypatch, tmp_path):
         monkeypatch.delenv("SCALELAB_ASSESS_URL", raising=False)
         monkeypatch.chdir(tmp_path)
         if script is not None:
-            shutil.copy(script, tmp_path / "assessment.py")
+            shutil.copy(script, tmp_path / GRADED.submission_file)
         return tmp_path
     return become
 
@@ -362,9 +366,10 @@ def test_the_panel_under_jupyterhub_sends_the_script_and_shows_the_verdict(hub, 
     assert shown_verdict_of_a_new_job(), (assessment.status.value, assessment.error.value)
     assert "not valid Python" in assessment.verdict.value
     [latest, *_] = hub.api("GET", "assessments", hub.tokens[student]).json()["assessments"]
-    assert latest["submission_sha256"] == hashlib.sha256((folder / "assessment.py").read_bytes()).hexdigest()
-    (folder / "assessment.py").unlink()
-    with pytest.raises(panel.ServiceError, match="There is no assessment.py to assess"):
+    script = folder / GRADED.submission_file
+    assert latest["submission_sha256"] == hashlib.sha256(script.read_bytes()).hexdigest()
+    script.unlink()
+    with pytest.raises(panel.ServiceError, match=f"There is no {GRADED.submission_file} to assess"):
         client.submit()
 
 

@@ -14,15 +14,20 @@ EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
 def track_warnings() -> list[str]:
     """A sentence for each track of the track file that was calibrated on another kind of machine: its budget
-    and target may not hold here."""
+    and target may not hold here. The PyTorch edition leaves the Keras tracks out: it can neither grade nor
+    re-calibrate them."""
     try:
+        from scalelab import environment
         from scalelab.grader import grading, spec
         tracks = spec.load_tracks()
     except Exception as error:  # the grader or its track file is missing: say so, the rest still helps
         return [f"the assessment's tracks could not be read ({error})"]
     machine = grading.machine_facts()
+    pytorch_only = environment.edition() == "pytorch"
     warnings = []
     for track in tracks.values():
+        if pytorch_only and track.framework == "keras":
+            continue
         differences = grading.machine_differences(track, machine)
         if differences:
             warnings.append(f"track {track.name} was calibrated on another machine ({'; '.join(differences)}): "
