@@ -61,13 +61,16 @@ else
     rm -rf "$checkout" "$storage" && mkdir -p "$storage"
     git clone --quiet --no-hardlinks "$project_root" "$checkout"
     bundle="$(realpath "${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}")"
+    # PID 1 reaps the orphans it inherits, as a host's init does: the tests check that a stopped run leaves no
+    # process behind, and a zombie nobody reaps (`sleep infinity` as PID 1) would count as one.
+    reaping_init='trap "exit 0" TERM; while :; do sleep 86400 & wait; done'
     podman run --detach --name "$name" --privileged --user root --network host "${podman_run[@]}" \
         --volume "$checkout:/scalelab" --volume "$storage:/var/lib/containers" \
         --volume "$bundle:/etc/ssl/certs/ca-certificates.crt:ro" \
         --volume "$SCALELAB_CIFAR10_DIR:/data/cifar10:ro" --env SCALELAB_CIFAR10_DIR=/data/cifar10 \
         --env SCALELAB_TORCH_INDEX="${SCALELAB_TORCH_INDEX:-}" --env SCALELAB_TORCH_BUILD="${SCALELAB_TORCH_BUILD:-}" \
         --env SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt --env CI=true --workdir /scalelab \
-        "$image" sleep infinity >/dev/null
+        "$image" bash -c "$reaping_init" >/dev/null
 fi
 if [ "$mode" = once ]; then trap 'podman rm --force "$name" >/dev/null 2>&1; rm -rf "$checkout" "$storage"' EXIT; fi
 
