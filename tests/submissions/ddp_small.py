@@ -8,6 +8,7 @@ MODE picks how it behaves; the tests write a copy with another MODE:
   bursts           rank 0 trains alone, and the ranks allreduce gradient-sized tensors 15 times at the start and
                    15 times at the end: the bytes of 30 steps, in two tenths of the run
 """
+import gc
 import json
 import os
 from pathlib import Path
@@ -69,5 +70,6 @@ else:
     dist.barrier()  # rank 1 waits here, using no CPU to speak of, until rank 0 has trained
 if rank == 0:
     export_model_atomically(model, output / "model.pt2", pixels[:2])
+gc.collect()  # frees the DDP wrapper while the process group is up: left to Python's exit, it can abort a rank
 dist.barrier()
 dist.destroy_process_group()

@@ -140,5 +140,5 @@ if args.weights_digest_dir is not None:
     args.weights_digest_dir.mkdir(parents=True, exist_ok=True)
     (args.weights_digest_dir / "weights_rank0.json").write_text(json.dumps({"rank": 0, "world_size": 1,
                                                                               "sha256": digest}))
-# FIXME(DDP) step 1: at the end, wait for every rank (dist.barrier()), then leave the process group together:
-# dist.destroy_process_group().
+# FIXME(DDP) step 1: at the end, free the DDP wrapper (del model, then gc.collect()), wait for every rank
+# (dist.barrier()), then leave the process group together: dist.destroy_process_group().
