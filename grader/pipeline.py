@@ -19,7 +19,7 @@ from typing import Callable
 
 from scalelab import __version__, data as course_data, environment
 
-from . import contention, curve, launch, spec, store, verify, witness
+from . import contention, curve, launch, ranklogs, spec, store, verify, witness
 from . import sandbox as sandbox_module
 from .verdict import new_verdict
 
@@ -68,6 +68,9 @@ def _rank_failure_reasons(run: launch.RunResult, job_dir: Path, launcher: str = 
     def consequence(item):
         return any(echo in item[1] for echo in FAILURE_ECHOES), item[0]
     for rank, text in sorted(run.rank_tracebacks.items(), key=consequence)[:2]:
+        if ranklogs.CPP_TERMINATE.match(text.split("\n", 1)[0]):
+            reasons.append(_terminate_reason(rank, text, launcher))
+            continue
         text = student_facing(text, job_dir)
         last_line = text.strip().splitlines()[-1] if text.strip() else ""
         if len(last_line) > 300:
@@ -77,6 +80,17 @@ def _rank_failure_reasons(run: launch.RunResult, job_dir: Path, launcher: str = 
         reasons.append(f"no rank printed a Python traceback; see the logs in the logs directory "
                        f"(launcher.log has {launcher}'s own messages).")
     return reasons
+
+
+def _terminate_reason(rank: int, text: str, launcher: str) -> str:
+    """A rank that died in C++ (std::terminate), and, for the abort PyTorch can cause as a DDP rank exits, why."""
+    reason = f"rank {rank} aborted in C++, with no Python traceback: {' '.join(text.split())}"
+    if launcher == "torchrun" and "without an active exception" in text:
+        reason += (" — PyTorch (Gloo) can abort a rank this way as Python exits while the DDP-wrapped model is still "
+                   "alive. At the end of the script free it while the process group is up (del model, then "
+                   "gc.collect()), then call dist.barrier() and dist.destroy_process_group(), as lab 3's PyTorch "
+                   "edition shows in its step 1.")
+    return reason
 
 
 def _say_memory_ran_out(verdict: dict, run: launch.RunResult) -> None:

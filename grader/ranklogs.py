@@ -23,6 +23,9 @@ MPI_TAG = re.compile(rb"\[\d+,(\d+)\]<(stdout|stderr)>:")
 EPOCH_LINE = re.compile(r"\bepoch (\d+)/(\d+)")
 ACCURACY_IN_LINE = re.compile(r"\b(val_accuracy|accuracy)[ =:]+([0-9]*\.?[0-9]+)")
 TORCH_EXCEPTION_PREFIX = re.compile(r"^\[rank\d+\]: ?")
+# A rank that dies in C++ (std::terminate) prints no Python traceback, only this line (and, for an exception,
+# "  what():  ..." after it): PyTorch's Gloo threads can end a DDP rank so as Python exits.
+CPP_TERMINATE = re.compile(r"^terminate called (without an active exception|after throwing an instance of .*)$")
 
 
 class CappedLog:
@@ -139,6 +142,8 @@ class RankLogDemux:
                         block = block[:end + 1]
                         break
                 found[rank] = "\n".join(block[-25:])
+            elif terminated := [i for i, line in enumerate(lines) if CPP_TERMINATE.match(line)]:
+                found[rank] = "\n".join(lines[terminated[-1]:terminated[-1] + 2]).rstrip()
         return found
 
     def close(self) -> tuple[dict[int, str], str, list[str]]:

@@ -1,8 +1,9 @@
 """Splitting horovodrun's merged output into capped per-rank logs, with real Gloo and Open MPI prefixes."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
-from scalelab.grader import ranklogs
+from scalelab.grader import pipeline, ranklogs
 
 
 def test_rank_log_demux_splits_gloo_and_mpi_prefixes_and_caps_each_log(tmp_path):
@@ -91,3 +92,38 @@ def test_a_ddp_ranks_traceback_is_found_under_pytorchs_rank_prefix(tmp_path):
     assert demux.tracebacks()[0].splitlines()[-1] == "RuntimeError: Connection closed by peer"
     # The rank's log keeps what it printed.
     assert Path(ranks[1]).read_text().splitlines()[-1] == "[rank1]: RuntimeError: rank one failed on purpose"
+
+
+def test_a_rank_that_aborts_in_cpp_as_pytorch_exits_is_named_with_the_cause_and_the_fix(tmp_path):
+    # As torchrun (--tee 3) passed on a DDP rank that PyTorch's Gloo threads ended as Python exited: a C++ line on
+    # stderr, no Python traceback. Before, the verdict said that no rank printed a Python traceback.
+    demux = ranklogs.RankLogDemux(tmp_path)
+    for line in (b"[default0]:saved /job/output/model.pt2\n",
+                 b"[default1]:terminate called without an active exception\n"):
+        demux.feed_line(line)
+    demux.close()
+    found = demux.tracebacks()
+    assert found == {1: "terminate called without an active exception"}
+    run = SimpleNamespace(exit_code=1, wall_time_s=42.0, rank_tracebacks=found)
+    reasons = pipeline._rank_failure_reasons(run, tmp_path, "torchrun")
+    assert reasons[0] == "the run failed: torchrun exited with status 1 after 42 s."
+    assert reasons[1].startswith("rank 1 aborted in C++, with no Python traceback: terminate called without an "
+                                 "active exception — PyTorch (Gloo) can abort a rank")
+    assert "del model, then gc.collect()" in reasons[1] and len(reasons) == 2
+    # Any other C++ abort is named as it is, without PyTorch's explanation.
+    thrown = {0: "terminate called after throwing an instance of 'std::runtime_error'\n  what():  out of range"}
+    reasons = pipeline._rank_failure_reasons(SimpleNamespace(exit_code=134, wall_time_s=3.0, rank_tracebacks=thrown),
+                                             tmp_path, "horovodrun")
+    assert reasons[1] == ("rank 0 aborted in C++, with no Python traceback: terminate called after throwing an "
+                          "instance of 'std::runtime_error' what(): out of range")
+
+
+def test_a_python_traceback_is_preferred_to_a_cpp_abort_line_in_the_same_rank(tmp_path):
+    demux = ranklogs.RankLogDemux(tmp_path)
+    for line in (b"[default0]:terminate called without an active exception\n",
+                 b"[default0]:Traceback (most recent call last):\n",
+                 b'[default0]:  File "assessment.py", line 3, in <module>\n',
+                 b"[default0]:ValueError: bad shape\n"):
+        demux.feed_line(line)
+    demux.close()
+    assert demux.tracebacks()[0].splitlines()[-1] == "ValueError: bad shape"
