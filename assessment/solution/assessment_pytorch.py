@@ -168,8 +168,8 @@ for epoch in range(args.epochs):
 save_model()
 if is_chief:
     print(f"saved {model_path}", flush=True)
-# DDP: free the DDP wrapper while the process group is up: left to Python's exit, it can abort a rank there (Gloo;
-# PyTorch 2.13: 5 of 105 small runs, none of 115 with it freed first).
+# DDP: free the DDP wrapper while the process group is up: left to Python's exit, PyTorch's Gloo threads can abort
+# the rank there ("terminate called without an active exception"), failing the whole run.
 del model
 gc.collect()
 # DDP: wait for every rank (rank 0 may still be saving), then leave the process group together: a rank that leaves

@@ -99,8 +99,8 @@ if args.weights_dir is not None:
     np.savez(args.weights_dir / f"weights_rank{rank}.npz", *weights)
     (args.weights_dir / f"weights_rank{rank}.json").write_text(json.dumps({"rank": rank, "size": workers,
                                                                            "sha256": digest}))
-# DDP: free the DDP wrapper while the process group is up: left to Python's exit, it can abort a rank there (Gloo;
-# PyTorch 2.13: 5 of 105 small runs, none of 115 with it freed first).
+# DDP: free the DDP wrapper while the process group is up: left to Python's exit, PyTorch's Gloo threads can abort
+# the rank there ("terminate called without an active exception"), failing the whole run.
 del model
 gc.collect()
 # DDP: wait for every rank (rank 0 may still be saving), then leave the process group together: a rank that leaves
