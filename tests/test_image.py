@@ -145,6 +145,14 @@ def test_scalelab_doctor_is_clean_inside_the_image(lab):
     assert "/data/cifar10" in doctor.stdout, doctor.stdout
 
 
+def test_the_image_keeps_no_downloaded_packages_or_apt_caches(lab):
+    # As the official Debian images it stands in for: what apt downloaded would ship in every layer that ran it.
+    _, _, name = lab
+    left = podman("exec", "--user", "root", name, "find", "/var/cache/apt", "-type", "f", "(", "-name", "*.deb", "-o",
+                  "-name", "*.bin", ")", check=False)
+    assert left.returncode == 0 and left.stdout == "", left.stdout[-2000:] + left.stderr[-2000:]
+
+
 def test_jupyterlab_answers_on_the_published_loopback_port_only(lab):
     url, token, name = lab
     assert requests.get(f"{url}lab", headers=auth(token), timeout=30).status_code == 200
