@@ -413,7 +413,10 @@ class GradingWorkers:
                 self.queue.record_progress(job["id"], progress, history)
             if ended:
                 return
-            time.sleep(self.settings.poll_interval_s)
+            try:  # back at once when the grader ends: its verdict is read then, not up to a poll later
+                popen.wait(timeout=self.settings.poll_interval_s)
+            except subprocess.TimeoutExpired:
+                pass
 
     def _record(self, verdict: dict) -> None:
         """In this account's results database ($SCALELAB_HOME/results.db), as ``scalelab assess`` records it."""

@@ -88,6 +88,29 @@ def _stop(process: subprocess.Popen) -> None:
             continue
 
 
+def watch_run(process: subprocess.Popen, record_dir: Path, started: float, stall_s: float,
+              deadline_s: float) -> str | None:
+    """Wait for the probed run to end; stop it when no rank records anything new for ``stall_s`` or it outlasts
+    ``deadline_s``, and say which (None: it ended by itself). Its end is seen at once, the rest every half second."""
+    while True:
+        try:
+            process.wait(timeout=0.5)
+            return None
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        changed = _latest_change(record_dir)
+        quiet_for = time.time() - changed if changed is not None else now - started
+        stopped = None
+        if quiet_for > stall_s:
+            stopped = f"no rank did anything new for {stall_s:.0f} s"
+        elif now - started > deadline_s:
+            stopped = f"the run took longer than {deadline_s:.0f} s"
+        if stopped:
+            _stop(process)
+            return stopped
+
+
 def split_by_rank(output: str) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
     printed: dict[int, list[str]] = {}
     errors: dict[int, list[str]] = {}
@@ -117,23 +140,11 @@ def run_conversion(script: Path | str, workdir: Path | str | None = None, contro
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     output_path = workdir / "output.txt"
     started = time.monotonic()
-    stopped = None
     with open(output_path, "wb") as output:
         process = subprocess.Popen(probe_command(script, record_dir, workdir / "output", controller),
                                    stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, env=env,
                                    cwd=workdir, start_new_session=True)
-        while process.poll() is None:
-            time.sleep(0.5)
-            now = time.monotonic()
-            changed = _latest_change(record_dir)
-            quiet_for = time.time() - changed if changed is not None else now - started
-            if quiet_for > stall_s:
-                stopped = f"no rank did anything new for {stall_s:.0f} s"
-            elif now - started > deadline_s:
-                stopped = f"the run took longer than {deadline_s:.0f} s"
-            if stopped:
-                _stop(process)
-                break
+        stopped = watch_run(process, record_dir, started, stall_s, deadline_s)
     text = output_path.read_text(errors="replace")
     printed, errors = split_by_rank(text)
     run = ConversionRun(None if stopped else process.returncode, stopped, printed=printed, errors=errors,

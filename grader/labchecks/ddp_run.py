@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .conversion_run import _latest_change, _stop
+from .conversion_run import watch_run
 
 SIZE = 2
 EPOCHS = 2
@@ -81,23 +81,11 @@ def run_ddp(script: Path | str, workdir: Path | str | None = None, stall_s: floa
     env.pop("NBGRADER_EXECUTION", None)
     output_path = workdir / "output.txt"
     started = time.monotonic()
-    stopped = None
     with open(output_path, "wb") as output:
         process = subprocess.Popen(probe_command(script, record_dir, workdir / "output"), stdin=subprocess.DEVNULL,
                                    stdout=output, stderr=subprocess.STDOUT, env=env, cwd=workdir,
                                    start_new_session=True)
-        while process.poll() is None:
-            time.sleep(0.5)
-            now = time.monotonic()
-            changed = _latest_change(record_dir)
-            quiet_for = time.time() - changed if changed is not None else now - started
-            if quiet_for > stall_s:
-                stopped = f"no rank did anything new for {stall_s:.0f} s"
-            elif now - started > deadline_s:
-                stopped = f"the run took longer than {deadline_s:.0f} s"
-            if stopped:
-                _stop(process)
-                break
+        stopped = watch_run(process, record_dir, started, stall_s, deadline_s)
     text = output_path.read_text(errors="replace")
     run = DDPRun(None if stopped else process.returncode, stopped,
                  tail="\n".join(text.strip().splitlines()[-15:]), elapsed_s=time.monotonic() - started)
