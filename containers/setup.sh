@@ -654,7 +654,7 @@ if [ "$framework_source" != base ]; then
     horovod_version="${horovod_pin#horovod==}"
     # Horovod is built from its sdist with the fixes in containers/patches/ applied. They set the local version label
     # below, which tells a patched build from a plain one (pip still takes it for the horovod==X.Y.Z pin).
-    horovod_build="$horovod_version+scalelab.3"
+    horovod_build="$horovod_version+scalelab.4"
     # The built wheel is kept, keyed by everything it was compiled against, so that a second venv on this machine
     # (the hub's under /opt next to .venv), or an image podman builds here, installs it in seconds instead of
     # compiling for minutes. A kept wheel whose TensorFlow ops do not load here (built on another system) is removed

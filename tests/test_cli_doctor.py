@@ -27,7 +27,7 @@ def test_doctor_reports_the_pinned_stack_and_horovod_build(cifar10_dir, tmp_path
         assert "tensorflow      not installed" in out
         assert any(re.fullmatch(r"torch           2\.13\.0(\+cpu)?", line) for line in out), out
         assert "horovod build   TensorFlow no  PyTorch yes  MPI yes  Gloo yes  NCCL no" in out
-    assert "horovod         0.28.1+scalelab.3" in out  # the build with containers/patches/ applied
+    assert "horovod         0.28.1+scalelab.4" in out  # the build with containers/patches/ applied
     assert "Open MPI" in result.stdout
     assert f"mpi rules       {OPENMPI_COLLECTIVE_RULES}" in out
     assert f"data cifar10    {cifar10_dir}/cifar-10-batches-py" in result.stdout

@@ -201,5 +201,5 @@ def test_setup_sh_keeps_the_framework_a_base_brings_as_for_the_gpu_image(image):
                   timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     kept = re.findall(r"TensorFlow (\S+) and Horovod (\S+) from the base: kept", done.stdout)
-    assert kept == [("2.15.1", "0.28.1+scalelab.3")] * 2, done.stdout  # before installing the course, and after
+    assert kept == [("2.15.1", "0.28.1+scalelab.4")] * 2, done.stdout  # before installing the course, and after
     assert "ScaleLab stack ready" in done.stdout
