@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -18,6 +19,9 @@ VENV_BIN = Path(sys.executable).parent
 # The PyTorch edition (`make setup` on Python 3.12 or 3.13) has no TensorFlow: the tests of the Keras labs and tracks
 # are skipped there with the reason, which the summary counts and names (`make test` runs pytest with -rs).
 HAS_TENSORFLOW = importlib.util.find_spec("tensorflow") is not None
+# The local version label setup.sh gives the Horovod it builds with containers/patches/ applied (0.28.1+LABEL).
+HOROVOD_BUILD_LABEL = re.search(r'horovod_build="\$horovod_version\+([\w.]+)"',
+                                (PROJECT_ROOT / "containers" / "setup.sh").read_text()).group(1)
 keras_only = pytest.mark.skipif(not HAS_TENSORFLOW, reason=KERAS_LEFT_OUT)
 # The installed edition's quick test track (tests/submissions/tracks.toml), for the tests of the service around the
 # grader: the PyTorch edition refuses a Keras track. Both have the same target and budget.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 
-from conftest import HAS_TENSORFLOW, VENV_BIN, subprocess_env
+from conftest import HAS_TENSORFLOW, HOROVOD_BUILD_LABEL, VENV_BIN, subprocess_env
 from scalelab.environment import KERAS_LEFT_OUT, OPENMPI_COLLECTIVE_RULES, openmpi_settings
 
 
@@ -27,7 +27,7 @@ def test_doctor_reports_the_pinned_stack_and_horovod_build(cifar10_dir, tmp_path
         assert "tensorflow      not installed" in out
         assert any(re.fullmatch(r"torch           2\.13\.0(\+cpu)?", line) for line in out), out
         assert "horovod build   TensorFlow no  PyTorch yes  MPI yes  Gloo yes  NCCL no" in out
-    assert "horovod         0.28.1+scalelab.4" in out  # the build with containers/patches/ applied
+    assert f"horovod         0.28.1+{HOROVOD_BUILD_LABEL}" in out  # the build with containers/patches/ applied
     assert "Open MPI" in result.stdout
     assert f"mpi rules       {OPENMPI_COLLECTIVE_RULES}" in out
     assert f"data cifar10    {cifar10_dir}/cifar-10-batches-py" in result.stdout

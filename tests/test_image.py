@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import PROJECT_ROOT
+from conftest import HOROVOD_BUILD_LABEL, PROJECT_ROOT
 
 # Building the image is most of it: minutes on 2 cores (pyproject.toml's 900 s per test would cut a fresh build short).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
@@ -201,5 +201,6 @@ def test_setup_sh_keeps_the_framework_a_base_brings_as_for_the_gpu_image(image):
                   timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     kept = re.findall(r"TensorFlow (\S+) and Horovod (\S+) from the base: kept", done.stdout)
-    assert kept == [("2.15.1", "0.28.1+scalelab.4")] * 2, done.stdout  # before installing the course, and after
+    # Before installing the course, and after.
+    assert kept == [("2.15.1", f"0.28.1+{HOROVOD_BUILD_LABEL}")] * 2, done.stdout
     assert "ScaleLab stack ready" in done.stdout
