@@ -6,11 +6,14 @@ is stopped and the next cell runs; memory and time are bounded per notebook. As 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 import pytest
@@ -52,14 +55,26 @@ def sandbox_uid_processes() -> list[psutil.Process]:
     return [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real in SANDBOX_UID_RANGE]
 
 
+def assert_nothing_left() -> None:
+    """No process of the kernel's uid, and none of the grader's private directories (the copy, the sockets)."""
+    assert not sandbox_uid_processes(), "the kernel's processes outlive its notebook"
+    left = sorted(path.name for path in Path(tempfile.gettempdir()).iterdir())
+    assert left == [], f"the notebook's private directories outlive it: {left}"
+
+
 @pytest.fixture
-def folder(tmp_path) -> Path:
+def folder(tmp_path, monkeypatch) -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.fail("the throw-away uid needs root: run these tests as root (CI does)")
     notebook_folder = tmp_path / "submitted" / "alice" / "quiz"
     notebook_folder.mkdir(parents=True)
     (notebook_folder / "data.txt").write_text("the student's own file\n")
-    return notebook_folder
+    # The kernel manager's private directory goes into a temporary directory of the test's own, where the test sees
+    # whether it is removed; a short path, as the kernel's Unix sockets are in it.
+    private_temp = tempfile.mkdtemp(prefix="ks-", dir="/tmp")
+    monkeypatch.setattr(tempfile, "tempdir", private_temp)
+    yield notebook_folder
+    shutil.rmtree(private_temp, ignore_errors=True)
 
 
 def test_a_kernel_runs_as_a_throwaway_uid_without_secrets_network_or_the_course(folder, monkeypatch):
@@ -94,7 +109,7 @@ def test_what_a_notebook_writes_stays_in_its_copy_and_nothing_of_it_survives(fol
     ])
     assert said == ["", "started"]
     assert sorted(path.name for path in folder.iterdir()) == ["data.txt"]
-    assert not sandbox_uid_processes(), "the kernel's processes outlive its notebook"
+    assert_nothing_left()
 
 
 def test_a_cell_that_never_returns_is_interrupted_and_the_next_cell_runs(folder):
@@ -104,7 +119,7 @@ def test_a_cell_that_never_returns_is_interrupted_and_the_next_cell_runs(folder)
     ], timeout=10)
     assert said[0].startswith("KeyboardInterrupt"), said[0]
     assert said[1] == "still grading"
-    assert not sandbox_uid_processes()
+    assert_nothing_left()
 
 
 def test_a_cell_that_forks_and_ignores_interrupts_stops_its_kernel_with_a_clear_error(folder):
@@ -115,7 +130,7 @@ def test_a_cell_that_forks_and_ignores_interrupts_stops_its_kernel_with_a_clear_
         run_notebook(folder, ["import os, signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n"
                               "    try:\n        os.fork()\n    except OSError:\n        pass", "print('never')"],
                      timeout=10)
-    assert not sandbox_uid_processes()
+    assert_nothing_left()
 
 
 def test_a_cell_that_forks_in_a_loop_is_stopped_and_leaves_nothing(folder):
@@ -129,7 +144,7 @@ def test_a_cell_that_forks_in_a_loop_is_stopped_and_leaves_nothing(folder):
     else:
         # (Python 3.12 and later warn first that forking a multi-threaded process may deadlock.)
         assert any(line.startswith("KeyboardInterrupt") for line in said[0].splitlines()) and said[1] == "next", said
-    assert not sandbox_uid_processes()
+    assert_nothing_left()
 
 
 def test_a_notebook_over_its_memory_is_stopped(folder):
@@ -137,13 +152,13 @@ def test_a_notebook_over_its_memory_is_stopped(folder):
     with pytest.raises(DeadKernelError):
         run_notebook(folder, ["hog = b'x' * (2 * 1024**3)", "print('survived')"],
                      memory_limit_bytes=400 * 1024**2)
-    assert not sandbox_uid_processes()
+    assert_nothing_left()
 
 
 def test_a_notebook_over_its_time_is_stopped(folder):
     with pytest.raises(DeadKernelError):
         run_notebook(folder, ["import time; time.sleep(120)"], timeout=300, time_limit_s=8)
-    assert not sandbox_uid_processes()
+    assert_nothing_left()
 
 
 def test_the_helper_takes_only_folders_that_belong_to_its_caller(folder, tmp_path):

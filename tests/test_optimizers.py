@@ -333,9 +333,9 @@ HOROVOD_SCRIPT = textwrap.dedent("""
         history = model.fit(features, labels, batch_size=64, epochs=1, verbose=0,
                             callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
         moved = any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
-        path = tempfile.mkdtemp() + "/model.keras"
-        model.save(path)
-        loaded = tf.keras.models.load_model(path, safe_mode=True)
+        with tempfile.TemporaryDirectory() as scratch:
+            model.save(scratch + "/model.keras")
+            loaded = tf.keras.models.load_model(scratch + "/model.keras", safe_mode=True)
         results[optimizer_class.__name__] = {
             "wrapped_is_subclass": isinstance(optimizer, optimizer_class),
             "wrapped_name": optimizer._name,

@@ -137,6 +137,10 @@ class SandboxedKernelManager(PollingKernelManager):
             shutil.rmtree(self._private_dir, ignore_errors=True)
             self._private_dir = None
 
+    # AsyncKernelManager binds the public name to the base class's coroutine, and nbclient calls it, not the shutdown
+    # that would reach the override above, when it finds the kernel dead (stopped for its time, memory or forks).
+    cleanup_resources = _async_cleanup_resources
+
 
 class Execute(PollingExecute):
     """nbgrader's Execute (reading the kernel as scalelab.headless does) with the kernel in the grading sandbox."""
