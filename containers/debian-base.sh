@@ -9,7 +9,8 @@
 #   containers/debian-base.sh [--suite bookworm|trixie] [NAME]
 #                                        (default localhost/scalelab-base:bookworm, localhost/scalelab-host:trixie)
 #
-# Needs root. Installs podman, runc and debootstrap when missing. Idempotent: an existing image NAME is kept.
+# Needs root. Installs podman, runc and debootstrap when missing, and nftables where podman's netavark needs it.
+# Idempotent: an existing image NAME is kept.
 # Exit codes: 0 the image exists; 1 it could not be made (the reason is printed); 2 bad usage or not root.
 set -euo pipefail
 
@@ -32,14 +33,22 @@ if [ "$(id -u)" != 0 ]; then
     exit 2
 fi
 
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 missing=()
 for package in podman runc debootstrap; do
-    dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
+    installed "$package" || missing+=("$package")
 done
 if [ ${#missing[@]} -gt 0 ]; then
     say "Installing ${missing[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+# Podman 5 (Debian 13) publishes a container's ports through netavark, whose firewall driver runs `nft`: nftables
+# is only recommended, so a host without it can build images but not run one with --publish.
+if installed netavark && ! command -v nft >/dev/null; then
+    say "Installing nftables (netavark publishes ports with it)"
+    [ ${#missing[@]} -gt 0 ] || apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nftables >/dev/null
 fi
 
 if podman image exists "$name"; then
