@@ -4,6 +4,7 @@
 #
 #   containers/build-image.sh cpu|gpu [TAG]      (default tag scalelab:cpu / scalelab:gpu)
 #   containers/build-image.sh --podman-flags     the flags this host needs: podman's own (line 1), `run`'s (line 2)
+#   containers/build-image.sh --torch-wheel-folders   pip's local wheel folders that hold PyTorch's pinned CPU build
 #
 #   IMAGE_ENGINE=docker|podman   choose the engine instead of finding one
 #   IMAGE_BASE=NAME              build on a local image instead of the Dockerfile's FROM (podman only:
@@ -47,10 +48,25 @@ if [ "${1:-}" = --podman-flags ]; then
     exit 0
 fi
 
+# pip's local wheel folders (its find-links), resolved, one a line; and whether one holds PyTorch's pinned CPU build.
+pip_wheel_folders() {
+    local folder
+    for folder in ${PIP_FIND_LINKS:-$(python3 -m pip config get global.find-links 2>/dev/null || true)}; do
+        folder="${folder#file://}"
+        if [ -d "$folder" ]; then readlink -f "$folder"; fi
+    done
+}
+torch_version="$(sed -n 's/.*"torch==\([^"]*\)".*/\1/p' "$(dirname "${BASH_SOURCE[0]}")/../pyproject.toml" | head -n 1)"
+holds_torch_cpu() { compgen -G "$1/torch-$torch_version+cpu-*.whl" >/dev/null; }
+if [ "${1:-}" = --torch-wheel-folders ]; then
+    while read -r folder; do if holds_torch_cpu "$folder"; then echo "$folder"; fi; done < <(pip_wheel_folders)
+    exit 0
+fi
+
 flavour="${1:-}"
 case "$flavour" in
     cpu|gpu) ;;
-    *) echo "usage: containers/build-image.sh cpu|gpu [TAG], or --podman-flags" >&2; exit 2 ;;
+    *) echo "usage: containers/build-image.sh cpu|gpu [TAG], --podman-flags or --torch-wheel-folders" >&2; exit 2 ;;
 esac
 tag="${2:-scalelab:$flavour}"
 project_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -100,20 +116,16 @@ mkdir -p "$wheel_cache"
 build+=(--volume "$(readlink -f "$wheel_cache"):/root/.cache/scalelab/horovod-wheels")
 # pip's local wheel folders, read-only at the same paths, for setup.sh (SCALELAB_WHEELS); where one holds PyTorch's
 # pinned CPU build, the build needs no index for it.
-torch_version="$(sed -n 's/.*"torch==\([^"]*\)".*/\1/p' pyproject.toml | head -n 1)"
 torch_index=()
 if [ -n "${SCALELAB_TORCH_INDEX+set}" ]; then torch_index=(--build-arg "SCALELAB_TORCH_INDEX=$SCALELAB_TORCH_INDEX"); fi
 wheel_folders=()
-for folder in ${PIP_FIND_LINKS:-$(python3 -m pip config get global.find-links 2>/dev/null || true)}; do
-    folder="${folder#file://}"
-    [ -d "$folder" ] || continue
-    folder="$(readlink -f "$folder")"
+while read -r folder; do
     wheel_folders+=("$folder")
     build+=(--volume "$folder:$folder:ro")
-    if [ -z "${SCALELAB_TORCH_INDEX+set}" ] && compgen -G "$folder/torch-$torch_version+cpu-*.whl" >/dev/null; then
+    if [ -z "${SCALELAB_TORCH_INDEX+set}" ] && holds_torch_cpu "$folder"; then
         torch_index=(--build-arg "SCALELAB_TORCH_INDEX=")
     fi
-done
+done < <(pip_wheel_folders)
 if [ ${#wheel_folders[@]} -gt 0 ]; then build+=(--build-arg "SCALELAB_WHEELS=${wheel_folders[*]}"); fi
 build+=(${torch_index[@]+"${torch_index[@]}"})
 if [ -n "${IMAGE_BASE:-}" ]; then

@@ -70,14 +70,9 @@ else
     rm -rf "$checkout" "$storage" && mkdir -p "$storage"
     git clone --quiet --no-hardlinks "$project_root" "$checkout"
     bundle="$(realpath "${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}")"
-    torch_version="$(sed -n 's/.*"torch==\([^"]*\)".*/\1/p' "$project_root/pyproject.toml" | head -n 1)"
-    wheel_mounts=() wheel_folders=()
-    for folder in ${PIP_FIND_LINKS:-$(python3 -m pip config get global.find-links 2>/dev/null || true)}; do
-        folder="$(readlink -f "${folder#file://}")" || continue
-        if compgen -G "$folder/torch-$torch_version+cpu-*.whl" >/dev/null; then
-            wheel_mounts+=(--volume "$folder:$folder:ro") wheel_folders+=("$folder")
-        fi
-    done
+    mapfile -t wheel_folders < <("$project_root/containers/build-image.sh" --torch-wheel-folders)
+    wheel_mounts=()
+    for folder in ${wheel_folders[@]+"${wheel_folders[@]}"}; do wheel_mounts+=(--volume "$folder:$folder:ro"); done
     # PID 1 reaps the orphans it inherits, as a host's init does: the tests check that a stopped run leaves no
     # process behind, and a zombie nobody reaps (`sleep infinity` as PID 1) would count as one.
     reaping_init='trap "exit 0" TERM; while :; do sleep 86400 & wait; done'
