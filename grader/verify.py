@@ -146,6 +146,7 @@ class HeldoutProcess:
                "KERAS_HOME": "/tmp/.keras", "MPLCONFIGDIR": "/tmp/.matplotlib", "CUDA_VISIBLE_DEVICES": ""}
         if not self.sandboxed:  # only where the instructor allowed grading without bubblewrap
             env[variable] = str(files[0].parent)
+            env["TMPDIR"] = str(self.private_dir)  # removed by close(), whatever the process left there
             return command, env, str(self.private_dir)
         if self.uid is None:
             self.uid = sandbox.allocate_uid()

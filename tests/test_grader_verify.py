@@ -202,3 +202,23 @@ def test_pytorch_model_file_refusals(tmp_path):
         archive.writestr("nothing", b"")
     assert "could not be loaded with torch.export.load" in pytorch_heldout_accuracy(tmp_path / "empty.pt2",
                                                                                       "fashion-mnist").reason
+
+
+@keras_only
+def test_measuring_without_the_sandbox_leaves_nothing_in_the_machines_temporary_folder(tmp_path):
+    # Without bubblewrap (an instructor's choice) the measuring process shares the machine's /tmp, and it ends
+    # without Python's teardown: what TensorFlow writes there while predicting (autograph's generated sources,
+    # removed only at a normal exit) must land in the grader's private folder, which close() removes.
+    import tensorflow as tf
+
+    model = tf.keras.Sequential([tf.keras.Input((28, 28, 1)), tf.keras.layers.Flatten(),
+                                 tf.keras.layers.Dense(10, activation="softmax")])
+    model.save(tmp_path / "model.keras")
+    before = set(Path("/tmp").glob("__autograph_generated_file*"))
+    heldout = verify.HeldoutProcess("fashion-mnist", sandboxed=False)
+    measured = heldout.measure(tmp_path, "model.keras", owner_uid=None)
+    process = heldout.process
+    heldout.close()
+    assert measured.reason is None and measured.images == 10000, measured
+    assert process.returncode == 0 and not heldout.private_dir.exists()
+    assert set(Path("/tmp").glob("__autograph_generated_file*")) <= before
