@@ -23,7 +23,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 
 from conftest import PROJECT_ROOT
 from scalelab.grader import cgroups
-from scalelab.grader.nbgrading import kernel_sandbox
+from scalelab.grader.nbgrading import kernel_sandbox, sandboxed_execute
 from scalelab.grader.nbgrading.sandboxed_execute import SandboxedKernelManager
 from scalelab.grader.sandbox import SANDBOX_UID_RANGE
 
@@ -109,6 +109,20 @@ def test_what_a_notebook_writes_stays_in_its_copy_and_nothing_of_it_survives(fol
     ])
     assert said == ["", "started"]
     assert sorted(path.name for path in folder.iterdir()) == ["data.txt"]
+    assert_nothing_left()
+
+
+def test_a_temporary_folder_too_deep_for_the_kernels_sockets_leaves_them_to_a_short_one(folder, tmp_path, monkeypatch):
+    # A Unix socket's path fits in 108 bytes: in a deep temporary folder (an instructor's TMPDIR, a test runner's)
+    # every kernel would fail with "File name too long".
+    short_temp = tempfile.gettempdir()  # the fixture's own, where the test sees what is left
+    deep_temp = tmp_path / ("deep-" * 12)
+    deep_temp.mkdir()
+    monkeypatch.setattr(sandboxed_execute, "SHORT_TEMP_DIR", short_temp)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep_temp))
+    assert run_notebook(folder, ["print(6 * 7)"]) == ["42"]
+    assert list(deep_temp.iterdir()) == []
+    monkeypatch.setattr(tempfile, "tempdir", short_temp)
     assert_nothing_left()
 
 

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import zmq
 from jupyter_client.provisioning import LocalProvisioner
 from traitlets import Float, Integer, List, Unicode, default
 
@@ -32,6 +33,17 @@ from scalelab.headless import Execute as PollingExecute, PollingKernelManager
 
 # Installed by containers/hub/hub.sh with a sudo rule for the instructors' group: root's, runs the helper with -I.
 PRIVILEGED_HELPER = "/usr/local/sbin/scalelab-kernel-sandbox"
+
+# Where the temporary folder is too deep for the kernel's Unix sockets (a socket's path fits in sun_path, 107 bytes
+# on Linux), the private directory goes here instead.
+SHORT_TEMP_DIR = "/tmp"
+
+
+def private_dir_parent() -> str:
+    """The temporary folder, or :data:`SHORT_TEMP_DIR` where the kernel's socket paths would not fit in it."""
+    temp_dir = tempfile.gettempdir()
+    longest_socket = len(os.fsencode(temp_dir)) + len("/scalelab-grading-12345678/") + 32 + len("/kernel-99999")
+    return temp_dir if longest_socket <= zmq.IPC_PATH_MAX_LEN else SHORT_TEMP_DIR
 
 
 def helper_command() -> list[str]:
@@ -104,7 +116,7 @@ class SandboxedKernelManager(PollingKernelManager):
 
     def _prepare_directories(self, notebook_dir: Path) -> None:
         if self._private_dir is None:
-            self._private_dir = Path(tempfile.mkdtemp(prefix="scalelab-grading-"))
+            self._private_dir = Path(tempfile.mkdtemp(prefix="scalelab-grading-", dir=private_dir_parent()))
             # Others may pass (the kernel's uid must) but not list: the folders inside have unguessable names.
             self._private_dir.chmod(0o711)
         self._work_dir = self._private_dir / secrets.token_hex(16)
