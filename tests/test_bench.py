@@ -224,6 +224,20 @@ def test_quick_run_writes_report_json_markdown_and_plots_with_every_figure(tmp_p
         assert f"]({plot})" in markdown
 
 
+def test_a_stage_that_draws_nothing_runs_without_matplotlib(tmp_path):
+    # A GPU machine lent with PyTorch and nothing else of the course measures P10 (containers/gpu-check.sh).
+    out = tmp_path / "report"
+    program = ("import sys; sys.modules['matplotlib'] = None; from benchmarks import run; "
+               f"sys.exit(run.main(['--quick', '--only', 'training-torch', '--out', {str(out)!r}]))")
+    finished = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+                              cwd=PROJECT_ROOT, env=subprocess_env(PYTHONPATH=str(PROJECT_ROOT / "source_code"),
+                                                                   SCALELAB_HOME=str(tmp_path / "home")))
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    document = json.loads((out / "report.json").read_text())
+    assert document["plots"] == [] and document["figures"]["P10"]["not_measured"] == "skipped in --quick"
+    assert "time-to-accuracy plot not drawn" in " ".join(document["notes"])
+
+
 def test_the_class_notebooks_benchmark_hands_in_the_sources_answers_without_the_solution_markers(tmp_path):
     from benchmarks import class_notebooks
 

@@ -85,3 +85,20 @@ def test_a_job_on_every_gpu_gets_one_torchrun_process_per_gpu_the_gpus_devices_a
             assert int(uid) == job.sandbox_uid != 0  # dropped to the job's own uid, the device still there
     finally:
         sandbox_module.release_uid(job.sandbox_uid)
+
+
+def test_the_gpu_checks_tracks_join_the_course_file_and_run_on_one_gpu_per_rank_or_two_ranks_on_one(tmp_path):
+    # containers/gpu-check.sh calibrates these on a lent GPU machine, in a copy of the course's file with them added:
+    # a mistake here would only show there, in its few minutes.
+    joined = tmp_path / "tracks.toml"
+    joined.write_text((spec.DEFAULT_TRACKS_FILE.read_text() +
+                       (spec.COURSE_ROOT / "containers" / "gpu-check-tracks.toml").read_text()))
+    names = spec.load_tracks(joined)  # every track of both, checked; a name in both would not parse
+    assert {"cifar10-ddp", "cifar10-ddp-subset-nccl", "cifar10-ddp-subset-shared"} <= set(names)
+    nccl, shared = (spec.load_track(name, joined) for name in ("cifar10-ddp-subset-nccl", "cifar10-ddp-subset-shared"))
+    course = spec.load_track("cifar10-ddp", joined)
+    for track in (nccl, shared):
+        assert (track.dataset, track.launcher, track.framework) == (course.dataset, course.launcher, course.framework)
+        assert track.target_accuracy == spec.load_track("cifar10-ddp-cpu", joined).target_accuracy  # the subset's
+    assert [nccl.resolve_ranks(gpus) for gpus in (1, 4)] == [1, 4]
+    assert [shared.resolve_ranks(gpus) for gpus in (1, 4)] == [2, 2]

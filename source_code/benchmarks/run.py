@@ -24,7 +24,7 @@ from scalelab import environment
 from scalelab.grader import store
 from scalelab.runtime import usable_cores
 
-from . import (assessment, bandwidth, class_grading, grader_overhead, plots, processes, report, time_to_accuracy,
+from . import (assessment, bandwidth, class_grading, grader_overhead, processes, report, time_to_accuracy,
                training)
 from .summary import not_measured, spread
 
@@ -40,6 +40,12 @@ STAGE_DETAILS = {"bandwidth": ("allreduce", "allreduce_bound"), "training": ("tr
 KERAS_STAGES = ("training", "grader", "class", "assessment")
 STAGE_PLOTS = {"bandwidth": ("allreduce_bandwidth.png",), "training": ("images_per_s_vs_batch.png",),
                "training-torch": (), "grader": (), "class": ("class_grading.png",), "assessment": ()}
+
+
+def _plots():
+    """benchmarks.plots, imported by the stages that draw: measuring needs no matplotlib (a bare GPU machine)."""
+    from . import plots
+    return plots
 
 
 def settings(quick: bool) -> dict:
@@ -156,7 +162,7 @@ def main(argv=None) -> int:
                      f"(min {bound['ratio']['min']:.2f}, max {bound['ratio']['max']:.2f}).")
         if figures["P6"]["message_bytes"] != bandwidth.P6_MESSAGE_BYTES:
             notes.append(f"bandwidth: P6 measured at {figures['P6']['message_bytes']} bytes, not 64 MB (--quick)")
-        plot_files.append(plots.allreduce_bandwidth(documents, out / "allreduce_bandwidth.png").name)
+        plot_files.append(_plots().allreduce_bandwidth(documents, out / "allreduce_bandwidth.png").name)
 
     def run_training():
         result = training.measure(logs, repeats=config["repeats"], epochs=config["epochs"],
@@ -168,7 +174,7 @@ def main(argv=None) -> int:
         details["training"] = result
         sweep = training.batch_sweep(logs, config["sweep"], config["sweep_images"], config["sweep_repeats"])
         details["batch_sweep"] = sweep
-        plot_files.append(plots.throughput_vs_batch(sweep, out / "images_per_s_vs_batch.png").name)
+        plot_files.append(_plots().throughput_vs_batch(sweep, out / "images_per_s_vs_batch.png").name)
 
     def run_training_torch():
         if config["torch_repeats"] < 1:
@@ -193,7 +199,7 @@ def main(argv=None) -> int:
         result = class_grading.measure(logs / "class", students=config["students"], slots=slots)
         figures["P5"] = result["P5"]
         details["class_grading"] = result
-        plot_files.append(plots.class_grading_timeline(result["jobs"], slots, out / "class_grading.png").name)
+        plot_files.append(_plots().class_grading_timeline(result["jobs"], slots, out / "class_grading.png").name)
 
     def run_assessment():
         if config["clicks"] < 1:
@@ -214,7 +220,7 @@ def main(argv=None) -> int:
     calibration_dir = args.calibration or store.scalelab_home() / "calibration" / "cifar10-cpu"
     try:
         details["time_to_accuracy"] = time_to_accuracy.read_calibration(calibration_dir)
-        plot_files.append(plots.time_to_accuracy(details["time_to_accuracy"], out / "time_to_accuracy.png").name)
+        plot_files.append(_plots().time_to_accuracy(details["time_to_accuracy"], out / "time_to_accuracy.png").name)
     except FileNotFoundError as missing:
         notes.append(f"time-to-accuracy plot not drawn: {missing}")
 
