@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import NamedTuple
@@ -31,6 +32,13 @@ NBGRADER_OUTPUTS = ("release", "submitted", "autograded", "feedback", "gradebook
 # No cell of a lab runs this long with the tests' small settings; a cell that does is reported as hung, by name,
 # before pytest-timeout stops the whole test.
 CELL_TIMEOUT_S = 600
+
+
+def runs_leftovers() -> set[Path]:
+    """What a run of the course's programs may leave in the machine's temporary folder: TensorFlow's autograph
+    sources (removed only at a normal exit) and torchrun's folders (never removed)."""
+    temp_dir = Path(tempfile.gettempdir())
+    return {*temp_dir.glob("__autograph_generated_file*"), *temp_dir.glob("torchelastic_*")}
 
 
 class Outputs(NamedTuple):

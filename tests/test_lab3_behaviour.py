@@ -13,6 +13,7 @@ from typing import NamedTuple
 import pytest
 
 from conftest import PROJECT_ROOT, keras_only
+from labtools import runs_leftovers
 from scalelab.grader.labchecks import conversion_questions, conversion_run
 
 # The Keras edition's: skipped, with the reason, where `make setup` installed the PyTorch edition alone.
@@ -154,7 +155,9 @@ def converted(edits: tuple, folder: Path) -> Path:
 
 def answers(script: Path) -> tuple[conversion_run.ConversionRun, dict[str, list[str]]]:
     # The graded cells' own cache: test_lab3_conversion.py grades the same files again without running them again.
+    before = runs_leftovers()
     run = conversion_questions.graded_run(script, stall_s=STALL_S)
+    assert runs_leftovers() <= before, "the probed run, stopped or not, leaves nothing in the temporary folder"
     return run, {step: conversion_questions.problems(run, step) for step in conversion_questions.STEPS}
 
 

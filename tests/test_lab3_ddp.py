@@ -185,7 +185,9 @@ def converted(edits: tuple, folder: Path) -> Path:
 
 
 def answers(script: Path) -> tuple[ddp_run.DDPRun, dict[str, list[str]]]:
+    before = labtools.runs_leftovers()
     run = ddp_questions.graded_run(script, stall_s=STALL_S)
+    assert labtools.runs_leftovers() <= before, "the probed run, stopped or not, leaves nothing in the temporary folder"
     return run, {step: ddp_questions.problems(run, step) for step in ddp_questions.STEPS}
 
 

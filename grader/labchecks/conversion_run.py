@@ -88,6 +88,14 @@ def _stop(process: subprocess.Popen) -> None:
             continue
 
 
+def scratch_temp_dir(workdir: Path) -> str:
+    """A temporary folder for the probed run inside its scratch folder (its TMPDIR): what its ranks leave there
+    (TensorFlow's autograph sources when a rank is stopped, torchrun's folder after every run) goes with it."""
+    temp_dir = workdir / "tmp"
+    temp_dir.mkdir(exist_ok=True)
+    return str(temp_dir)
+
+
 def watch_run(process: subprocess.Popen, record_dir: Path, started: float, stall_s: float,
               deadline_s: float) -> str | None:
     """Wait for the probed run to end; stop it when no rank records anything new for ``stall_s`` or it outlasts
@@ -133,7 +141,7 @@ def run_conversion(script: Path | str, workdir: Path | str | None = None, contro
     record_dir.mkdir(parents=True, exist_ok=True)
     for stale in record_dir.iterdir():
         stale.unlink()
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", TMPDIR=scratch_temp_dir(workdir),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("NBGRADER_EXECUTION", None)
     if os.geteuid() == 0:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .conversion_run import watch_run
+from .conversion_run import scratch_temp_dir, watch_run
 
 SIZE = 2
 EPOCHS = 2
@@ -76,7 +76,7 @@ def run_ddp(script: Path | str, workdir: Path | str | None = None, stall_s: floa
     record_dir.mkdir(parents=True, exist_ok=True)
     for stale in record_dir.iterdir():
         stale.unlink()
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=scratch_temp_dir(workdir),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("NBGRADER_EXECUTION", None)
     output_path = workdir / "output.txt"
