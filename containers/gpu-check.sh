@@ -61,7 +61,7 @@ step() {
 }
 
 run() {
-    local carried out tracks="cifar10-ddp-subset-shared,cifar10-ddp-subset-nccl" runs=5 bench=1
+    local carried out tracks="cifar10-ddp-subset-nccl,cifar10-ddp-subset-shared" runs=5 bench=1
     carried="$(cd "$1" && pwd)"
     mkdir -p "$2"
     out="$(cd "$2" && pwd)"
