@@ -124,9 +124,14 @@ PY
         cp "$work/bench/report.md" "$out/bench-report.md" 2>/dev/null || true
         cp "$work/bench/report.json" "$out/bench-report.json" 2>/dev/null || true
     fi
-    # The runs' verdicts, curves and logs, without the saved models.
-    tar -czf "$out/runs.tar.gz" -C "$work" --exclude='*.pt2' --exclude='*.keras' logs calibration bench 2>/dev/null \
-        || tar -czf "$out/runs.tar.gz" -C "$work" --exclude='*.pt2' logs
+    # The runs' verdicts, curves and logs, without the saved models (of the folders the steps made).
+    local made=()
+    for folder in logs calibration bench; do
+        if [ -d "$work/$folder" ]; then
+            made+=("$folder")
+        fi
+    done
+    tar -czf "$out/runs.tar.gz" -C "$work" --exclude='*.pt2' "${made[@]}"
     if [ ${#failed[@]} -gt 0 ]; then
         printf 'failed: %s\n' "${failed[@]}"
         exit 1
