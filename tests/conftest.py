@@ -26,7 +26,7 @@ keras_only = pytest.mark.skipif(not HAS_TENSORFLOW, reason=KERAS_LEFT_OUT)
 # The installed edition's quick test track (tests/submissions/tracks.toml), for the tests of the service around the
 # grader: the PyTorch edition refuses a Keras track. Both have the same target and budget.
 EDITION_TEST_TRACK = "fashion-mnist-test" if HAS_TENSORFLOW else "fashion-mnist-ddp-test"
-# Its track with a 25 s budget, and a submission that hangs in its first allreduce until the budget ends.
+# Its track with a 12 s budget, and a submission that hangs in its first allreduce until the budget ends.
 EDITION_HANG_TRACK = "fashion-mnist-hang" if HAS_TENSORFLOW else "fashion-mnist-ddp-hang"
 EDITION_HANG_SUBMISSION = "hang_allreduce.py" if HAS_TENSORFLOW else "hang_allreduce_ddp.py"
 # A small honest submission for its test track: it reaches the target in a minute or so.

@@ -143,7 +143,7 @@ def test_a_cell_that_forks_and_ignores_interrupts_stops_its_kernel_with_a_clear_
     with pytest.raises(DeadKernelError):
         run_notebook(folder, ["import os, signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n"
                               "    try:\n        os.fork()\n    except OSError:\n        pass", "print('never')"],
-                     timeout=10)
+                     timeout=5)
     assert_nothing_left()
 
 
@@ -152,7 +152,7 @@ def test_a_cell_that_forks_in_a_loop_is_stopped_and_leaves_nothing(folder):
     callback, the kernel is stopped; either way grading goes on within the grace and no process is left."""
     try:
         said = run_notebook(folder, ["import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
-                                     "        pass", "print('next')"], timeout=10)
+                                     "        pass", "print('next')"], timeout=5)
     except DeadKernelError:
         pass
     else:

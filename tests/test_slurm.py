@@ -128,7 +128,7 @@ def test_a_ddp_submission_passes_through_slurm_on_a_torchrun_track(tmp_path, slu
 def test_serial_baseline_fails_through_slurm(tmp_path, slurm_cluster):
     # The cifar10-cpu reference/baseline pair is graded by the local backend's test (test_grader_reference.py);
     # both backends share the same launch, verify and verdict code. Through Slurm the baseline runs on the short
-    # fashion-mnist-hang track (25 s budget) to keep CI time down: each rank trains the serial script alone.
+    # fashion-mnist-hang track (12 s budget) to keep CI time down: each rank trains the serial script alone.
     code, verdict, _ = assess_through_slurm(tmp_path, PROJECT_ROOT / "assessment" / "assessment.py",
                                             "fashion-mnist-hang")
     assert code == 1 and verdict["verdict"] in ("fail", "timeout"), verdict["reasons"]
