@@ -88,12 +88,31 @@ def _stop(process: subprocess.Popen) -> None:
             continue
 
 
-def scratch_temp_dir(workdir: Path) -> str:
-    """A temporary folder for the probed run inside its scratch folder (its TMPDIR): what its ranks leave there
+def fresh_record_dir(workdir: Path) -> Path:
+    """The folder the probe's ranks write their records to, emptied of an earlier run's."""
+    record_dir = workdir / "records"
+    record_dir.mkdir(parents=True, exist_ok=True)
+    for stale in record_dir.iterdir():
+        stale.unlink()
+    return record_dir
+
+
+def read_records(record_dir: Path) -> dict[int, dict]:
+    """Each rank's record, for the ranks that wrote one."""
+    paths = {rank: record_dir / f"rank{rank}.json" for rank in range(SIZE)}
+    return {rank: json.loads(path.read_text()) for rank, path in paths.items() if path.is_file()}
+
+
+def probe_environment(workdir: Path, **settings: str) -> dict[str, str]:
+    """The probed run's environment: this Python's launchers first on PATH, output unbuffered, outside nbgrader's
+    execution, and a temporary folder (TMPDIR) inside its scratch folder, so that what its ranks leave there
     (TensorFlow's autograph sources when a rank is stopped, torchrun's folder after every run) goes with it."""
     temp_dir = workdir / "tmp"
     temp_dir.mkdir(exist_ok=True)
-    return str(temp_dir)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(temp_dir),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **settings)
+    env.pop("NBGRADER_EXECUTION", None)
+    return env
 
 
 def watch_run(process: subprocess.Popen, record_dir: Path, started: float, stall_s: float,
@@ -137,13 +156,8 @@ def run_conversion(script: Path | str, workdir: Path | str | None = None, contro
         with tempfile.TemporaryDirectory(prefix="conversion_") as scratch:
             return run_conversion(script, scratch, controller, stall_s, deadline_s)
     script, workdir = Path(script).resolve(), Path(workdir)
-    record_dir = workdir / "records"
-    record_dir.mkdir(parents=True, exist_ok=True)
-    for stale in record_dir.iterdir():
-        stale.unlink()
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", TMPDIR=scratch_temp_dir(workdir),
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    env.pop("NBGRADER_EXECUTION", None)
+    record_dir = fresh_record_dir(workdir)
+    env = probe_environment(workdir, TF_CPP_MIN_LOG_LEVEL="2")
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     output_path = workdir / "output.txt"
@@ -156,11 +170,8 @@ def run_conversion(script: Path | str, workdir: Path | str | None = None, contro
     text = output_path.read_text(errors="replace")
     printed, errors = split_by_rank(text)
     run = ConversionRun(None if stopped else process.returncode, stopped, printed=printed, errors=errors,
-                        tail="\n".join(text.strip().splitlines()[-15:]), elapsed_s=time.monotonic() - started)
-    for rank in range(SIZE):
-        path = record_dir / f"rank{rank}.json"
-        if path.is_file():
-            run.records[rank] = json.loads(path.read_text())
+                        tail="\n".join(text.strip().splitlines()[-15:]), elapsed_s=time.monotonic() - started,
+                        records=read_records(record_dir))
     return run
 
 

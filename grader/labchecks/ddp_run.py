@@ -9,16 +9,13 @@ all-reduce that only one rank joins), and the records say where each rank was.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .conversion_run import scratch_temp_dir, watch_run
+from .conversion_run import fresh_record_dir, probe_environment, read_records, watch_run
 
 SIZE = 2
 EPOCHS = 2
@@ -72,13 +69,8 @@ def run_ddp(script: Path | str, workdir: Path | str | None = None, stall_s: floa
         with tempfile.TemporaryDirectory(prefix="ddp_conversion_") as scratch:
             return run_ddp(script, scratch, stall_s, deadline_s)
     script, workdir = Path(script).resolve(), Path(workdir)
-    record_dir = workdir / "records"
-    record_dir.mkdir(parents=True, exist_ok=True)
-    for stale in record_dir.iterdir():
-        stale.unlink()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=scratch_temp_dir(workdir),
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    env.pop("NBGRADER_EXECUTION", None)
+    record_dir = fresh_record_dir(workdir)
+    env = probe_environment(workdir)
     output_path = workdir / "output.txt"
     started = time.monotonic()
     with open(output_path, "wb") as output:
@@ -88,9 +80,6 @@ def run_ddp(script: Path | str, workdir: Path | str | None = None, stall_s: floa
         stopped = watch_run(process, record_dir, started, stall_s, deadline_s)
     text = output_path.read_text(errors="replace")
     run = DDPRun(None if stopped else process.returncode, stopped,
-                 tail="\n".join(text.strip().splitlines()[-15:]), elapsed_s=time.monotonic() - started)
-    for rank in range(SIZE):
-        path = record_dir / f"rank{rank}.json"
-        if path.is_file():
-            run.records[rank] = json.loads(path.read_text())
+                 tail="\n".join(text.strip().splitlines()[-15:]), elapsed_s=time.monotonic() - started,
+                 records=read_records(record_dir))
     return run
